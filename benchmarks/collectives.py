@@ -26,24 +26,18 @@ numbers, and most of all the ratios at small sizes, unreliable.
 """
 
 import argparse
-import json
-import os
-import platform
-import resource
 import statistics
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from record import ROOT, OtherProcesses, machine, save  # benchmarks/record.py
 
 from mlsyslab.comm import collectives as ours
 from mlsyslab.comm.launch import spawn
 from mlsyslab.comm.p2p import Wire
 from mlsyslab.comm.torch_ops import all_gather_single, reduce_scatter_single
 
-ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "collectives.json"
 WORLD = 4
 SIZES = (1_000, 16_000, 256_000, 4_000_000, 16_000_000, 64_000_000)  # bytes of fp32
@@ -107,18 +101,6 @@ def _rank(rank, sizes, ops, scale):
     return out
 
 
-def busy_cpu_s() -> float:
-    """CPU seconds the whole machine has spent busy since boot (all processes, from /proc/stat)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    """CPU seconds of this process and its finished children (the spawned ranks)."""
-    return sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-               for f in ("ru_utime", "ru_stime"))
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=",".join(str(s) for s in SIZES), help="message sizes in bytes, comma-separated")
@@ -129,15 +111,11 @@ def main():
     sizes = [int(float(s)) for s in args.sizes.split(",")]
     ops = args.ops.split(",")
 
-    meta = {"date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpus": os.cpu_count(),
-            "load_avg_start": os.getloadavg(), "python": platform.python_version(), "torch": torch.__version__,
-            "platform": platform.platform(), "world_size": WORLD, "threads_per_rank": 1, "dtype": "float32"}
-    start, busy, own = time.perf_counter(), busy_cpu_s(), own_cpu_s()
+    meta = {**machine(torch=torch.__version__), "world_size": WORLD, "threads_per_rank": 1, "dtype": "float32"}
+    start, others = time.perf_counter(), OtherProcesses()
     per_rank = spawn(_rank, WORLD, sizes, ops, args.scale, timeout_s=900)
     meta["wall_s"] = time.perf_counter() - start
-    # CPU the rest of the machine used meanwhile (other people's work competing with this run).
-    meta["other_processes_cpu_share"] = max(0.0, (busy_cpu_s() - busy) - (own_cpu_s() - own)) / (meta["wall_s"] * os.cpu_count())
-    meta["load_avg_end"] = os.getloadavg()
+    meta["other_processes_cpu_share"] = others.share()  # other people's work competing with this run
 
     rows = []
     for op in ops:
@@ -159,11 +137,7 @@ def main():
     goal = next((r for r in rows if r["op"] == "all_reduce" and r["bytes"] == 64_000_000), None)
     out = {**meta, "goal": f"all_reduce at 64 MB: ours >= {GOAL}x gloo's speed",
            "goal_met": None if goal is None else goal["speed_ratio"] >= GOAL, "rows": rows}
-    path = Path(args.output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print_table(out)
-    print(f"\nwrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    save(out, args.output, print_table)
 
 
 def _size(n: int) -> str:

@@ -37,26 +37,23 @@ benchmarks/results/data_parallel.json. Nothing is asserted: it reports.
 import argparse
 import json
 import os
-import platform
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from record import ROOT, OtherProcesses, machine, save  # benchmarks/record.py
 
 from mlsyslab.comm.launch import spawn
 from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.parallel.ddp import DataParallel
 from mlsyslab.parallel.zero import ZeroDataParallel
 
-ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "data_parallel.json"
 PEER_PYTHON = ROOT / "benchmarks" / ".peers" / "deepspeed" / "bin" / "python"
 PEER_SCRIPT = ROOT / "benchmarks" / "peers" / "deepspeed_llama.py"
@@ -203,19 +200,6 @@ def run_deepspeed(name: str, spec: dict) -> list:
     return result["ranks"]
 
 
-def busy_cpu_s() -> float:
-    """CPU seconds the whole machine has spent busy since boot (all processes, from /proc/stat)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    """CPU seconds of this process and its finished children (the spawned ranks, the peer's interpreter)."""
-    return sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-               for f in ("ru_utime", "ru_stime"))
-
-
 def summarise(name: str, runs: list, spec: dict) -> dict:
     """runs: one list of per-rank results per round → the step time (median of per-step maxima) and phases."""
     steps, phases, losses = [], [], None
@@ -261,9 +245,7 @@ def main():
               "DS_BUILD_OPS=0 benchmarks/.peers/deepspeed/bin/pip install torch==2.13.0 deepspeed\n")
         names = [n for n in names if n not in DEEPSPEED]
 
-    out = {"date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpus": os.cpu_count(),
-           "load_avg_start": os.getloadavg(), "python": platform.python_version(), "torch": torch.__version__,
-           "platform": platform.platform(), "spec": spec, "rounds": args.rounds,
+    out = {**machine(torch=torch.__version__), "spec": spec, "rounds": args.rounds,
            "parameters": sum(p.numel() for p in Llama(LlamaConfig(**MODEL)).parameters())}
     runs: dict = {n: [] for n in names}
     others: dict = {n: [] for n in names}
@@ -273,7 +255,7 @@ def main():
         for name in (names if round_index % 2 == 0 else names[::-1]):
             if name in failures:
                 continue
-            start, busy, own = time.perf_counter(), busy_cpu_s(), own_cpu_s()
+            start, competing = time.perf_counter(), OtherProcesses()
             try:
                 runs[name].append(run_deepspeed(name, spec) if name in DEEPSPEED else run_ours_or_torch(name, spec))
             except Exception as error:  # a peer that cannot run here is reported, the rest goes on
@@ -282,21 +264,15 @@ def main():
                 continue
             wall = time.perf_counter() - start
             # CPU the rest of the machine used meanwhile: other people's work competing with this run.
-            other = max(0.0, (busy_cpu_s() - busy) - (own_cpu_s() - own)) / (wall * os.cpu_count())
-            others[name].append(other)
-            print(f"  round {round_index + 1}: {name} done in {wall:.0f} s; other processes used {other:.0%} of the CPUs",
+            others[name].append(competing.share())
+            print(f"  round {round_index + 1}: {name} done in {wall:.0f} s; other processes used {others[name][-1]:.0%} of the CPUs",
                   file=sys.stderr)
     out["wall_s"] = time.perf_counter() - began
-    out["load_avg_end"] = os.getloadavg()
     out["strategies"] = {n: {**summarise(n, runs[n], spec), "other_processes_cpu_share": max(others[n])}
                          for n in names if runs[n]}
     out["failures"] = failures
     out["stages"] = compare(out["strategies"])
-    path = Path(args.output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print_table(out)
-    print(f"\nwrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    save(out, args.output, print_table)
 
 
 def compare(strategies: dict) -> list:

@@ -19,8 +19,6 @@ runs in a subprocess of its own interpreter (the script PEER_DSE below does not 
 """
 
 import json
-import os
-import platform
 import resource
 import shutil
 import statistics
@@ -29,12 +27,11 @@ import sys
 import sysconfig
 import time
 from dataclasses import fields
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+from record import ROOT, machine, save  # benchmarks/record.py
 
-ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "predict.json"
 PEER_PYTHON = ROOT / "benchmarks" / ".peers" / "mlsysim" / "bin" / "python"
 PLAN_ARGS = ["plan", "--model", "llama-3-70b", "--hardware", "h100", "--gpus", "512", "--global-batch", "1024",
@@ -140,9 +137,7 @@ def peak_rss_mb() -> float:
 
 
 def main():
-    out = {"date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpus": os.cpu_count(),
-           "load_avg_start": os.getloadavg(), "python": platform.python_version(), "numpy": np.__version__,
-           "platform": platform.platform()}
+    out = machine(numpy=np.__version__)
 
     # 1. Import time of the package in a fresh interpreter.
     times = import_seconds(sys.executable, "mlsyslab.predict", 7)
@@ -219,11 +214,7 @@ def main():
         print(f"peer not found at {PEER_PYTHON.relative_to(ROOT)}; to create it:\n"
               "  python3 -m venv benchmarks/.peers/mlsysim && benchmarks/.peers/mlsysim/bin/pip install mlsysim==0.3.0\n")
 
-    out["load_avg_end"] = os.getloadavg()
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
-    print_table(out)
-    print(f"\nwrote {RESULTS.relative_to(ROOT)}")
+    save(out, RESULTS, print_table)
 
 
 def print_table(out):
