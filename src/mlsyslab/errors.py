@@ -17,6 +17,9 @@ class InvalidValue(MlsysError):
         detail = f": {reason}" if reason else ""
         super().__init__(f"{field}={value!r} is invalid{detail} (valid: {valid})")
 
+    def __reduce__(self):  # pickled by its fields (the engine process sends admission errors to the server)
+        return type(self), (self.field, self.value, self.valid, self.reason)
+
 
 class UnknownName(MlsysError):
     """A catalog lookup found nothing; the message lists close matches."""

@@ -51,7 +51,7 @@ def test_packed_paged_path_equals_training_path():
     model = tiny(torch.float64)
     block_size, lengths = 4, [11, 1, 23]
     sequences = [torch.randint(TINY["vocab"], (n,)).tolist() for n in lengths]
-    k = torch.zeros(TINY["layers"], 32, block_size, TINY["kv_heads"], TINY["head_dim"], dtype=torch.float64)
+    k = torch.zeros(TINY["layers"], TINY["kv_heads"], 32, block_size, TINY["head_dim"], dtype=torch.float64)
     v = torch.zeros_like(k)
     free = torch.randperm(32).tolist()
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lengths]

@@ -12,7 +12,7 @@ from tests.serve.tiny import CONFIG, block_bytes
 def test_pool_is_sized_from_the_byte_budget():
     kv = KVCache(CONFIG, 10 * block_bytes(4) + 5, block_size=4, dtype=torch.float64)
     assert kv.num_blocks == 10 and kv.block_bytes == 2 * 2 * 2 * 8 * 4 * 8
-    assert kv.k.shape == (2, 10, 4, 2, 8)
+    assert kv.k.shape == (2, 2, 10, 4, 8)
     with pytest.raises(InvalidValue, match="kv_cache_bytes"):
         KVCache(CONFIG, block_bytes(4) - 1, block_size=4, dtype=torch.float64)
 

@@ -7,7 +7,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 
 from mlsyslab.nn.pretrained import load_pretrained
 from mlsyslab.serve.engine import EngineConfig
@@ -18,9 +17,10 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    torch.set_num_threads(2)
     model, tokenizer, name = load_pretrained("default")
-    app, engine = build_server(model, tokenizer, name, EngineConfig(kv_cache_bytes=200_000_000, max_waiting=4))
+    # one request runs and one waits at a time, so three at once find the queue full (test_queue_bound_gives_503)
+    config = EngineConfig(kv_cache_bytes=200_000_000, max_running=1, max_waiting=1)
+    app, engine = build_server(model, tokenizer, name, config, threads=2)
     with ServerThread(app) as url:
         yield url, engine, tokenizer
     engine.stop()
@@ -91,37 +91,46 @@ def test_errors_are_openai_shaped(client, server):
 
 def test_queue_bound_gives_503(server):
     url, engine, _ = server
-    body = {"prompt": "Count to a thousand:", "max_tokens": 200, "temperature": 0}
+    body = {"prompt": "Count to a thousand:", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as http:
-        engine.engine.scheduler.max_waiting = 0  # every admission now finds the queue full
-        try:
-            response = http.post(url + "/v1/completions", json=body)
-        finally:
-            engine.engine.scheduler.max_waiting = 4
+        with http.stream("POST", url + "/v1/completions", json=body) as running:
+            lines = running.iter_lines()  # held: dropping the iterator would close the stream (an abort)
+            next(line for line in lines if line.startswith("data:"))  # running now
+            with http.stream("POST", url + "/v1/completions", json=body) as waiting:
+                assert waiting.status_code == 200
+                response = http.post(url + "/v1/completions", json={**body, "stream": False})
     assert response.status_code == 503 and response.json()["error"]["code"] == "queue_full"
+    wait_until_idle(engine)
 
 
 def test_client_disconnect_aborts_and_frees_blocks(server):
     """Leaving a stream after its first token, and timing out on a non-streamed request, both abort."""
     url, engine, _ = server
-    core = engine.engine
     body = {"prompt": "Once upon a time", "max_tokens": 500, "temperature": 0, "ignore_eos": True}
+    aborted = aborts(url)
     with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/completions",
                                                        json={**body, "stream": True}) as response:
         for line in response.iter_lines():
             if line.startswith("data:"):
                 assert json.loads(line[5:])["choices"][0]["finish_reason"] is None
                 break  # leave after the first token
-    wait_until_idle(core)
+    wait_until_idle(engine)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json=body, timeout=1.0)
-    wait_until_idle(core)
-    assert 'mlsys_requests_finished_total{finish_reason="abort"} 2.0' in httpx.get(url + "/metrics").text
-    assert core.kv.num_used == len(core.scheduler.radix.blocks())  # only the prefix cache holds blocks
+    wait_until_idle(engine)
+    assert aborts(url) == aborted + 2
+    stats = engine.check()  # the child's block pool invariant holds
+    assert stats.kv_blocks_used == stats.prefix_cache_blocks  # only the prefix cache holds blocks
 
 
-def wait_until_idle(core, timeout_s: float = 20.0):
+def aborts(url: str) -> float:
+    prefix = 'mlsys_requests_finished_total{finish_reason="abort"}'
+    found = [line for line in httpx.get(url + "/metrics").text.splitlines() if line.startswith(prefix)]
+    return float(found[0].split()[-1]) if found else 0.0
+
+
+def wait_until_idle(engine, timeout_s: float = 20.0):
     deadline = time.monotonic() + timeout_s
-    while core.has_work() and time.monotonic() < deadline:
+    while not engine.check().idle and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not core.has_work(), "the request was not aborted"
+    assert engine.check().idle, "the request was not aborted"

@@ -20,8 +20,8 @@ from mlsyslab.errors import InvalidValue
 ModelPath = Annotated[str, typer.Option("--model", "-m", help="default (SmolLM2-135M-Instruct), a .gguf file or an HF folder")]
 ServeDtype = Annotated[str, typer.Option("--dtype", help="weights and KV cache: fp32 or bf16")]
 Threads = Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads (default: torch's choice)")]
-ServeThreads = Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads (default: cores - 1, "
-                                                     "leaving one for HTTP and clients)")]
+ServeThreads = Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads of the engine process "
+                                                     "(default: every core)")]
 CacheDir = Annotated[Optional[Path], typer.Option("--cache-dir", help="where converted GGUF models are kept")]
 KvCacheGB = Annotated[float, typer.Option("--kv-cache-gb", help="KV cache budget, GB (1e9 bytes)")]
 BatchedTokens = Annotated[int, typer.Option("--max-batched-tokens", help="tokens per step (chunked prefill budget)")]
@@ -31,7 +31,7 @@ def serve_command(
     model: ModelPath = "default", host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 8000, dtype: ServeDtype = "fp32", threads: ServeThreads = None,
     kv_cache_gb: KvCacheGB = 1.0, block_size: Annotated[int, typer.Option(help="tokens per KV block")] = 16,
-    max_batched_tokens: BatchedTokens = 256,
+    max_batched_tokens: BatchedTokens = 1024,
     max_running: Annotated[int, typer.Option(help="requests batched at once")] = 64,
     max_waiting: Annotated[int, typer.Option(help="queue bound; beyond it requests get HTTP 503")] = 256,
     prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="reuse shared prompt prefixes")] = True,
@@ -45,9 +45,10 @@ def serve_command(
     check_range("--port", port, 0, 65535)
     config = engine_config(kv_cache_gb, block_size, max_batched_tokens, max_running, max_waiting, prefix_cache)
     start = time.perf_counter()
-    loaded, tokenizer, name = load(model, dtype, threads or serving_threads(), cache_dir)
-    app, engine = build_server(loaded, tokenizer, name, config)
-    typer.echo(f"serving {name} ({dtype}, {engine.engine.kv.num_blocks} KV blocks of {block_size} tokens) "
+    loaded, tokenizer, name = load(model, dtype, threads, cache_dir)
+    app, engine = build_server(loaded, tokenizer, name, config, threads or serving_threads())
+    del loaded  # the engine process holds the weights now
+    typer.echo(f"serving {name} ({dtype}, {engine.stats.kv_blocks_total} KV blocks of {block_size} tokens) "
                f"at http://{host}:{port}/v1 — ready in {time.perf_counter() - start:.1f} s", err=True)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
@@ -93,13 +94,12 @@ def generate_command(
 
 
 def serving_threads() -> int:
-    """One core fewer than the machine has: the HTTP loop and the clients need one. Measured here
-    (2 cores, bf16, 128-token prompts, 64 output tokens): 1 thread serves 46 tok/s at 1 request and
-    231 tok/s at 16 in flight, 2 threads 30 and 202, because OpenMP threads that must share their
-    cores with the server's event loop stall each other."""
+    """Every core for the engine process. Measured here (2 cores, bf16, 128-token prompts, 64 output
+    tokens, the engine in its own process): 2 threads served 48 tok/s at 1 request and 317 at 16 in
+    flight, 1 thread 48 and 231."""
     import os
 
-    return max(1, (os.cpu_count() or 1) - 1)
+    return os.cpu_count() or 1
 
 
 def engine_config(kv_cache_gb, block_size, max_batched_tokens, max_running, max_waiting, prefix_cache):
@@ -142,7 +142,7 @@ def bench_serve_command(
     prefix_ablation: Annotated[bool, typer.Option("--prefix-ablation", help="also run with the prefix cache off and print the ratios")] = False,
     seed: Annotated[int, typer.Option(help="workload seed")] = 0,
     dtype: ServeDtype = "fp32", threads: ServeThreads = None, kv_cache_gb: KvCacheGB = 1.0,
-    max_batched_tokens: BatchedTokens = 256, cache_dir: CacheDir = None, json: Json = False,
+    max_batched_tokens: BatchedTokens = 1024, cache_dir: CacheDir = None, json: Json = False,
 ):
     """Load-test a server: throughput, TTFT and TPOT p50/p99 (ours in process unless --url)."""
     from mlsyslab.serve.loadgen import Workload, run_benchmark
@@ -155,11 +155,12 @@ def bench_serve_command(
             raise InvalidValue("--prefix-ablation", True, "only without --url (it restarts our own server)")
         reports = {"server": run_benchmark(url, served_name or "default", workload).to_dict()}
     else:
-        loaded, tokenizer, name = load(model, dtype, threads or serving_threads(), cache_dir)
+        loaded, tokenizer, name = load(model, dtype, threads, cache_dir)
         reports = {}
         for cache_on in ([True, False] if prefix_ablation else [True]):
             config = engine_config(kv_cache_gb, 16, max_batched_tokens, 64, max(256, requests), cache_on)
-            reports["prefix cache on" if cache_on else "prefix cache off"] = bench_in_process(loaded, tokenizer, name, config, workload)
+            reports["prefix cache on" if cache_on else "prefix cache off"] = bench_in_process(
+                loaded, tokenizer, name, config, workload, threads or serving_threads())
     if prefix_ablation:
         on, off = reports["prefix cache on"], reports["prefix cache off"]
         reports["prefix cache on/off"] = {"prefill_tokens": on["prefill_tokens"] / off["prefill_tokens"],
@@ -170,21 +171,20 @@ def bench_serve_command(
     print_reports(reports)
 
 
-def bench_in_process(model, tokenizer, name, config, workload) -> dict:
+def bench_in_process(model, tokenizer, name, config, workload, threads: int) -> dict:
     """Start our server on a free local port, run the workload, add the engine's own counters."""
     from mlsyslab.serve.loadgen import run_benchmark
     from mlsyslab.serve.server import ServerThread, build_server
 
-    app, engine = build_server(model, tokenizer, name, config)
+    app, engine = build_server(model, tokenizer, name, config, threads)
     try:
         with ServerThread(app) as base:
             report = run_benchmark(base + "/v1", name, workload).to_dict()
+        stats = engine.check()
     finally:
         engine.stop()
-    core = engine.engine
-    report.update(prefill_tokens=core.prefill_tokens, decode_tokens=core.decode_tokens, steps=core.steps,
-                  preemptions=core.scheduler.preemptions,
-                  prefix_hit_rate=core.scheduler.radix.hit_rate() if core.scheduler.radix else 0.0)
+    report.update(prefill_tokens=stats.prefill_tokens, decode_tokens=stats.decode_tokens, steps=stats.steps,
+                  preemptions=stats.preemptions, prefix_hit_rate=stats.prefix_hit_rate)
     return report
 
 

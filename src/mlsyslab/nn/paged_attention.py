@@ -1,25 +1,28 @@
 """Attention that stores and reads K/V through block tables (PagedAttention, Kwon et al., SOSP 2023).
 
-The KV cache is a pool of fixed-size blocks per layer, `[num_blocks, block_size, kv_heads, head_dim]`
+The KV cache is a pool of fixed-size blocks per layer, `[kv_heads, num_blocks, block_size, head_dim]`
 (owned by `serve.kv_cache.KVCache`). A sequence's tokens live in the blocks its block table lists,
 in order: token at position p sits in block `table[p // block_size]`, slot `p % block_size`. So a
 sequence grows one block at a time, never needs contiguous memory, and sequences can share blocks
-(a common prefix).
+(a common prefix). Heads come first so that gathering a sequence's blocks (`index_select` on the
+block axis) yields K as `[kv_heads, tokens, head_dim]`, the layout attention multiplies, in one copy.
 
 One step's tokens come packed: each scheduled sequence contributes `query_len` new tokens (a prefill
 chunk, or 1 for a decode) and has `context_len` tokens in the cache once they are written. For each
 layer, `PagedAttention(layer, q, k, v)`
 1. writes the new K/V into their slots (`slot_mapping`, one flat slot per new token);
-2. attends: all decodes at once (block tables padded to the longest, padding masked), then each
-   prefill chunk on its own, causally offset by the context already cached (Sarathi-style chunked
-   prefill, Agrawal et al. 2023: a chunk sees every earlier chunk through the cache).
+2. attends: all decodes at once as two batched matmuls over (KV head, sequence) — each K/V head is
+   read once for the `heads // kv_heads` query heads that share it (grouped-query attention, no
+   repeated K/V), block tables padded to the longest context and the padding masked; then each
+   prefill chunk on its own through torch's SDPA, causally offset by the context already cached
+   (Sarathi-style chunked prefill, Agrawal et al. 2023: a chunk sees every earlier chunk).
 
-Cost per layer: reads each sequence's cached K/V once, 2·context·kv_heads·head_dim·dtype bytes;
-the gather copies the blocks, which on CPU costs about as much as reading them. Attention itself
-runs in torch's SDPA; with bf16 weights the scores are computed in fp32 (torch's bf16 CPU attention
-kernel is ~5x slower at decode). Not done: a fused kernel that reads blocks in place (vLLM's CUDA
-kernel) — on CPU the gather plus SDPA is what we have. Tested against the
-contiguous causal attention in tests/nn/test_paged_attention.py, and end to end in tests/serve.
+Cost per layer: reads each sequence's cached K/V once, 2·context·kv_heads·head_dim·dtype bytes,
+plus the gather's copy of it. On CPU a 16-bit model keeps an fp32 cache (`serve.engine`): attention
+runs in fp32 there anyway (torch's 16-bit CPU attention kernel is several times slower), and
+converting every cached token each step cost more than the cache's doubled bytes. Not done: a fused
+kernel that reads blocks in place (vLLM's CUDA kernel). Tested against the contiguous causal
+attention in tests/nn/test_llama.py, and end to end against HF transformers in tests/serve.
 """
 
 from __future__ import annotations
@@ -43,9 +46,9 @@ class PagedAttention:
     """The `attention` argument of `Llama.forward_packed`, for one step over a paged KV cache."""
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, sequences: list[SequenceSlice]):
-        """k_cache, v_cache: [layers, num_blocks, block_size, kv_heads, head_dim]; `sequences` in packed order."""
+        """k_cache, v_cache: [layers, kv_heads, num_blocks, block_size, head_dim]; `sequences` in packed order."""
         self.k_cache, self.v_cache = k_cache, v_cache
-        block_size = k_cache.shape[2]
+        block_size = k_cache.shape[3]
         device = k_cache.device
         slots, decode_rows, decode_tables, decode_lens, self.prefills = [], [], [], [], []
         start = 0
@@ -69,24 +72,39 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [1, T, heads, d], k/v [1, T, kv_heads, d] (packed) -> [1, T, heads, d]."""
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-        kv_heads, head_dim = k_cache.shape[2:]
-        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, self.slot_mapping, k[0])
-        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, self.slot_mapping, v[0])
+        kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            cache.view(kv_heads, -1, head_dim).index_copy_(1, self.slot_mapping, new[0].transpose(0, 1).to(cache.dtype))
         out = torch.empty_like(q[0])
         if len(self.decode_rows):
-            keys = gather_blocks(k_cache, self.decode_tables, self.decode_len)
-            values = gather_blocks(v_cache, self.decode_tables, self.decode_len)
-            query = q[0, self.decode_rows][:, :, None]  # [D, heads, 1, d]
-            attended = attention(query, keys, values, self.decode_mask, causal=False)
-            out[self.decode_rows] = attended[:, :, 0].to(out.dtype)
+            attended = decode_attention(q[0, self.decode_rows], k_cache, v_cache, self.decode_tables,
+                                        self.decode_mask, self.decode_len)
+            out[self.decode_rows] = attended.to(out.dtype)
         for start, query_len, context_len, blocks in self.prefills:
             keys = gather_blocks(k_cache, blocks[None], context_len)
             values = gather_blocks(v_cache, blocks[None], context_len)
             query = q[:, start:start + query_len].transpose(1, 2)  # [1, heads, query_len, d]
             mask = None if query_len == context_len else chunk_causal_mask(query_len, context_len, q.device)
-            attended = attention(query, keys, values, mask, causal=mask is None)
+            attended = attention(query, keys.transpose(0, 1), values.transpose(0, 1), mask, causal=mask is None)
             out[start:start + query_len] = attended[0].transpose(0, 1).to(out.dtype)
         return out[None]
+
+
+def decode_attention(query, k_cache, v_cache, tables, mask, length: int) -> torch.Tensor:
+    """query [D, heads, d] (one new token per sequence); caches [kv, num_blocks, block_size, d];
+    tables [D, n]; mask [D, length] (True: a real token) or None -> [D, heads, d] in the cache dtype.
+
+    softmax(q·Kᵀ/√d)·V as two batched matmuls over (KV head, sequence), the `heads // kv` query heads
+    of a group as the rows of one product: K and V are read once, never repeated per query head."""
+    sequences, kv_heads, head_dim = query.shape[0], k_cache.shape[0], k_cache.shape[-1]
+    keys = gather_blocks(k_cache, tables, length)  # [kv, D, length, d]
+    values = gather_blocks(v_cache, tables, length)
+    grouped = query.view(sequences, kv_heads, -1, head_dim).transpose(0, 1).to(keys.dtype) * head_dim ** -0.5
+    scores = grouped @ keys.transpose(-1, -2)  # [kv, D, group, length]
+    if mask is not None:
+        scores = scores.masked_fill(~mask[None, :, None, :], float("-inf"))
+    out = scores.softmax(-1) @ values  # [kv, D, group, d]
+    return out.transpose(0, 1).reshape(sequences, -1, head_dim)
 
 
 def attention(query, keys, values, mask, causal: bool) -> torch.Tensor:
@@ -98,10 +116,11 @@ def attention(query, keys, values, mask, causal: bool) -> torch.Tensor:
 
 
 def gather_blocks(cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
-    """cache [num_blocks, block_size, kv, d], tables [B, n] -> the first `length` tokens, [B, kv, length, d]."""
+    """cache [kv, num_blocks, block_size, d], tables [B, n] -> the first `length` tokens, [kv, B, length, d]."""
+    kv_heads, _, block_size, head_dim = cache.shape
     batch, width = tables.shape
-    gathered = cache.index_select(0, tables.reshape(-1)).view(batch, width * cache.shape[1], cache.shape[2], cache.shape[3])
-    return gathered[:, :length].transpose(1, 2)
+    gathered = cache.index_select(1, tables.reshape(-1)).view(kv_heads, batch, width * block_size, head_dim)
+    return gathered[:, :, :length]
 
 
 def decode_batch(tables: list[list[int]], lengths: list[int], block_size: int, device):
@@ -117,7 +136,7 @@ def decode_batch(tables: list[list[int]], lengths: list[int], block_size: int, d
     if min(lengths) == longest:
         return padded, None, longest
     mask = torch.arange(longest, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
-    return padded, mask[:, None, None, :], longest
+    return padded, mask, longest
 
 
 def chunk_causal_mask(query_len: int, context_len: int, device) -> torch.Tensor:

@@ -23,7 +23,7 @@ from mlsyslab.nn.llama import LlamaConfig
 
 
 class KVCache:
-    """K and V block pools `[layers, num_blocks, block_size, kv_heads, head_dim]` with reference counts."""
+    """K and V block pools `[layers, kv_heads, num_blocks, block_size, head_dim]` with reference counts."""
 
     def __init__(self, config: LlamaConfig, budget_bytes: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
@@ -34,7 +34,7 @@ class KVCache:
         self.num_blocks = int(budget_bytes // self.block_bytes)
         if self.num_blocks < 1:
             raise InvalidValue("kv_cache_bytes", budget_bytes, f">= {self.block_bytes} (one block of {block_size} tokens)")
-        shape = (config.layers, self.num_blocks, block_size, config.kv_heads, config.head_dim)
+        shape = (config.layers, config.kv_heads, self.num_blocks, block_size, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.refcount = [0] * self.num_blocks

@@ -11,25 +11,26 @@ from prometheus_client import (
     generate_latest,
 )
 
-from mlsyslab.serve.engine import Engine
+from mlsyslab.serve.engine_process import EngineStats
 from mlsyslab.serve.output import RequestOutput
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30, 60)
 
 
 class EngineMetrics:
-    """One registry per engine, so two servers in a process (tests) never share series."""
+    """One registry per server, so two servers in a process (tests) never share series."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self):
         self.registry = registry = CollectorRegistry()
-        scheduler, kv = engine.scheduler, engine.kv
-        Gauge("mlsys_requests_waiting", "requests in the queue", registry=registry).set_function(lambda: len(scheduler.waiting))
-        Gauge("mlsys_requests_running", "requests holding KV blocks", registry=registry).set_function(lambda: len(scheduler.running))
-        Gauge("mlsys_kv_blocks_used", "KV blocks in use (requests and prefix cache)", registry=registry).set_function(lambda: kv.num_used)
-        Gauge("mlsys_kv_blocks_total", "KV blocks in the pool", registry=registry).set(kv.num_blocks)
-        Gauge("mlsys_prefix_cache_hit_rate", "prompt tokens found in the prefix cache / looked up",
-              registry=registry).set_function(lambda: scheduler.radix.hit_rate() if scheduler.radix else 0.0)
-        Gauge("mlsys_preemptions", "requests preempted so far", registry=registry).set_function(lambda: scheduler.preemptions)
+        self.stats = EngineStats
+        gauges = (("mlsys_requests_waiting", "requests in the queue", "waiting"),
+                  ("mlsys_requests_running", "requests holding KV blocks", "running"),
+                  ("mlsys_kv_blocks_used", "KV blocks in use (requests and prefix cache)", "kv_blocks_used"),
+                  ("mlsys_kv_blocks_total", "KV blocks in the pool", "kv_blocks_total"),
+                  ("mlsys_prefix_cache_hit_rate", "prompt tokens found in the prefix cache / looked up", "prefix_hit_rate"),
+                  ("mlsys_preemptions", "requests preempted so far", "preemptions"))
+        for name, help_text, field in gauges:
+            Gauge(name, help_text, registry=registry).set_function(lambda field=field: getattr(self.stats(), field))
         self.ttft = Histogram("mlsys_time_to_first_token_seconds", "arrival to first token", buckets=LATENCY_BUCKETS_S, registry=registry)
         self.tpot = Histogram("mlsys_time_per_output_token_seconds", "mean time between output tokens of a request",
                               buckets=LATENCY_BUCKETS_S, registry=registry)
@@ -37,8 +38,12 @@ class EngineMetrics:
         self.generation_tokens = Counter("mlsys_generation_tokens", "tokens generated", registry=registry)
         self.requests = Counter("mlsys_requests_finished", "finished requests by reason", ["finish_reason"], registry=registry)
 
+    def watch(self, stats) -> None:
+        """Read the gauges from `stats()` (the engine's latest `EngineStats`) when scraped."""
+        self.stats = stats
+
     def observe(self, output: RequestOutput) -> None:
-        """Record a finished request (called from the engine thread)."""
+        """Record a finished request (called from the engine process's reader thread)."""
         self.requests.labels(output.finish_reason).inc()
         self.prompt_tokens.inc(len(output.prompt_ids))
         self.generation_tokens.inc(len(output.output_ids))

@@ -109,7 +109,9 @@ def sample(logits: torch.Tensor, rows: list[SamplerInput]) -> list[Sampled]:
     tokens = torch.empty(len(rows), dtype=torch.long)
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
-    if greedy:
+    if len(greedy) == len(rows):  # the common case needs no copy of the [N, vocab] logits
+        tokens = logits.argmax(dim=-1)
+    elif greedy:
         tokens[greedy] = logits[greedy].argmax(dim=-1)
     if sampled:
         tokens[sampled] = draw(logits[sampled], [rows[i] for i in sampled])

@@ -1,4 +1,5 @@
-"""An OpenAI-compatible HTTP server: a thin FastAPI layer over `serve.async_engine.AsyncEngine`.
+"""An OpenAI-compatible HTTP server: a thin FastAPI layer over `serve.engine_process.EngineProcess`
+(the engine runs in a process of its own).
 
 Routes: POST /v1/completions and /v1/chat/completions (JSON, or server-sent events with
 `"stream": true`), GET /v1/models, /health, /metrics (Prometheus). Errors use OpenAI's body
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mlsyslab.errors import MlsysError
 from mlsyslab.nn.tokenizer import Tokenizer
-from mlsyslab.serve.async_engine import AsyncEngine
+from mlsyslab.serve.engine_process import EngineProcess
 from mlsyslab.serve.metrics import EngineMetrics
 from mlsyslab.serve.output import RequestOutput
 from mlsyslab.serve.protocol import (
@@ -37,21 +38,20 @@ from mlsyslab.serve.protocol import (
 from mlsyslab.serve.scheduler import QueueFull
 
 
-def build_server(model, tokenizer: Tokenizer, model_name: str, config) -> tuple[FastAPI, AsyncEngine]:
-    """An engine for `model` (a loaded `Llama`) with `config` (`EngineConfig`), its loop started, and its app."""
-    from mlsyslab.serve.engine import Engine
-
-    core = Engine(model, tokenizer, config)
-    metrics = EngineMetrics(core)
-    engine = AsyncEngine(core, on_finish=metrics.observe).start()
+def build_server(model, tokenizer: Tokenizer, model_name: str, config, threads: int | None = None
+                 ) -> tuple[FastAPI, EngineProcess]:
+    """An engine process for `model` (a loaded `Llama`) with `config` (`EngineConfig`) and `threads`
+    torch threads (None: torch's default), started, and the app serving it."""
+    metrics = EngineMetrics()
+    engine = EngineProcess(model, tokenizer, config, threads, on_finish=metrics.observe)
+    metrics.watch(lambda: engine.stats)
     return create_app(engine, tokenizer, model_name, metrics), engine
 
 
-def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, metrics: EngineMetrics) -> FastAPI:
+def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, metrics: EngineMetrics) -> FastAPI:
     """The FastAPI app serving `engine` under the model name `model_name`."""
     app = FastAPI(title="mlsyslab", version="0.1.0")
-    core = engine.engine
-    max_seq, capacity = core.model.config.max_seq, core.scheduler.capacity_tokens
+    max_seq, capacity = engine.stats.max_seq, engine.stats.capacity_tokens
     created = int(time.time())
 
     @app.exception_handler(RequestValidationError)
@@ -99,6 +99,8 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, metri
             request_id, params, stream = await admit(body, prefix)
         except MlsysError as error:
             return error_for(error)
+        except RuntimeError as error:  # the engine process has failed
+            return error_response(503, str(error), "server_error")
         if body.stream:
             return StreamingResponse(events(stream, body, kind + ".chunk" if first else kind, request_id,
                                             lambda delta: render_delta(delta, params), first),
