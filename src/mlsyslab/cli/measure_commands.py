@@ -10,18 +10,20 @@ from mlsyslab.cli.render import console, emit_json, human, seconds, table
 
 def calibrate_command(
     nproc: Annotated[int, typer.Option("--nproc", help="ranks the jobs will run (they share this machine's cores)")] = 2,
+    threads: Annotated[int, typer.Option("--threads", help="torch threads per rank, as the jobs will run them "
+                                         "(training ranks under torchrun: 1; `mlsys serve`'s engine: every core)")] = 1,
     json: Json = False,
 ):
     """Matmul FLOP/s, memory bandwidth, kernel overhead and gloo alpha-beta for N ranks → --hardware local."""
-    check_positive(nproc=nproc)
+    check_positive(nproc=nproc, threads=threads)
     from mlsyslab.measure.calibrate import calibrate
     from mlsyslab.specs.catalog import LOCAL_HARDWARE
 
-    spec = calibrate(nproc)
+    spec = calibrate(nproc, threads=threads)
     if json:
         return emit_json({"path": str(LOCAL_HARDWARE), **spec})
     chip, fitted = spec["accelerator"], spec["assumptions"]
-    console.print(table(f"this machine, per rank with {nproc} ranks at once → {LOCAL_HARDWARE}", [
+    console.print(table(f"this machine, per rank with {nproc} ranks x {threads} threads at once → {LOCAL_HARDWARE}", [
         ("peak matmul (fp32)", human(chip["peak_flops"]["fp32"], "FLOP/s")),
         ("peak matmul (bf16)", human(chip["peak_flops"]["bf16"], "FLOP/s")),
         ("matmul efficiency fit", f"{fitted['matmul_efficiency_max']:.2f} · w/(w + {fitted['matmul_half_efficiency_width']:.0f})"),

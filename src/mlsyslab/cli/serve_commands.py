@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from mlsyslab.cli.options import Json, check_positive, check_range
+from mlsyslab.cli.options import Json, check_positive, check_range, resolve_assumptions, resolve_hardware
 from mlsyslab.cli.render import emit_json
 from mlsyslab.errors import InvalidValue
 
@@ -143,6 +143,8 @@ def bench_serve_command(
     seed: Annotated[int, typer.Option(help="workload seed")] = 0,
     dtype: ServeDtype = "fp32", threads: ServeThreads = None, kv_cache_gb: KvCacheGB = 1.0,
     max_batched_tokens: BatchedTokens = 1024, cache_dir: CacheDir = None, json: Json = False,
+    hardware: Annotated[Optional[str], typer.Option("--hardware", help="also predict the TPOT on this hardware "
+                                                    "(local: after `mlsys calibrate --nproc 1 --threads N`)")] = None,
 ):
     """Load-test a server: throughput, TTFT and TPOT p50/p99 (ours in process unless --url)."""
     from mlsyslab.serve.loadgen import Workload, run_benchmark
@@ -150,6 +152,9 @@ def bench_serve_command(
     workload = Workload(requests=requests, concurrency=concurrency, rate=rate, prompt_tokens=prompt_tokens,
                         prompt_spread=prompt_spread, output_tokens=output_tokens, output_spread=output_spread,
                         shared_prefix=shared_prefix, seed=seed)
+    if url is not None and hardware is not None:
+        raise InvalidValue("--hardware", hardware, "only without --url (the prediction is of this engine)")
+    twin = resolve_hardware(hardware, None, dtype) if hardware is not None else None
     if url is not None:
         if prefix_ablation:
             raise InvalidValue("--prefix-ablation", True, "only without --url (it restarts our own server)")
@@ -161,6 +166,9 @@ def bench_serve_command(
             config = engine_config(kv_cache_gb, 16, max_batched_tokens, 64, max(256, requests), cache_on)
             reports["prefix cache on" if cache_on else "prefix cache off"] = bench_in_process(
                 loaded, tokenizer, name, config, workload, threads or serving_threads())
+    if twin is not None:
+        for report in reports.values():
+            report["predicted_tpot_s"] = predicted_tpot(loaded, name, twin, workload)
     if prefix_ablation:
         on, off = reports["prefix cache on"], reports["prefix cache off"]
         reports["prefix cache on/off"] = {"prefill_tokens": on["prefill_tokens"] / off["prefill_tokens"],
@@ -188,6 +196,21 @@ def bench_in_process(model, tokenizer, name, config, workload, threads: int) -> 
     return report
 
 
+def predicted_tpot(model, name: str, twin: tuple, workload) -> float:
+    """The twin: predict's decode step for this model and engine at the workload's concurrency (the
+    KV cache is fp32 for 16-bit weights on CPU, as `serve.engine` keeps it)."""
+    from mlsyslab.nn.pretrained import DTYPES
+    from mlsyslab.predict.inference import predict_inference
+    from mlsyslab.serve.engine import kv_cache_dtype
+
+    spec = model.config.to_spec(name, sum(p.numel() for p in model.parameters()), "the loaded model's config")
+    hw, assumptions = twin
+    kv = {torch_dtype: label for label, torch_dtype in DTYPES.items()}[kv_cache_dtype(next(model.parameters()))]
+    prediction = predict_inference(spec, hw, workload.concurrency, workload.prompt_tokens, workload.output_tokens,
+                                   kv_dtype=kv, assumptions=resolve_assumptions(None, assumptions))
+    return float(prediction.itl_s)
+
+
 def print_reports(reports: dict) -> None:
     for label, report in reports.items():
         if label == "prefix cache on/off":
@@ -197,6 +220,9 @@ def print_reports(reports: dict) -> None:
                    f"{report['output_tokens_per_s']:.1f} output tok/s, {report['requests_per_s']:.2f} req/s")
         typer.echo(f"  TTFT p50 {1000 * report['ttft_p50_s']:.0f} ms, p99 {1000 * report['ttft_p99_s']:.0f} ms; "
                    f"TPOT p50 {1000 * report['tpot_p50_s']:.1f} ms, p99 {1000 * report['tpot_p99_s']:.1f} ms")
+        if "predicted_tpot_s" in report:
+            typer.echo(f"  TPOT predicted {1000 * report['predicted_tpot_s']:.1f} ms (decode step at {report['workload']['concurrency']} "
+                       f"in flight), measured p50 / predicted = {report['tpot_p50_s'] / report['predicted_tpot_s']:.2f}")
         if "prefill_tokens" in report:
             typer.echo(f"  engine: {report['prefill_tokens']} prefill + {report['decode_tokens']} decode tokens in "
                        f"{report['steps']} steps, prefix hit rate {report['prefix_hit_rate']:.2f}, "

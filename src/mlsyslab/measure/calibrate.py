@@ -1,7 +1,8 @@
 """`mlsys calibrate`: measure this machine as N ranks see it, and save it as a hardware spec.
 
-Run with the same number of ranks the jobs will use (on a CPU the ranks share the cores), each rank
-measures, at the same time as the others and with one thread as torchrun gives it:
+Run with the same number of ranks and threads the jobs will use (on a CPU the ranks share the cores:
+training ranks under torchrun run one thread each; `mlsys serve`'s engine is one rank with every
+core), each rank measures, at the same time as the others:
 - matmul FLOP/s for square-ish GEMMs of widths 32…1024 — the fastest is the peak, and the curve
   fits predict's efficiency η(w) = η_max · w/(w + w_half) (least squares over w_half);
 - memory bandwidth: a large tensor copy (bytes read + written per second);
@@ -30,17 +31,16 @@ WIDTHS = (32, 64, 128, 256, 512, 1024)
 ALL_REDUCE_BYTES = (4_096, 65_536, 1_048_576, 4_194_304, 16_777_216)
 
 
-def calibrate(nproc: int, path: Path = LOCAL_HARDWARE) -> dict:
-    """Measure with `nproc` concurrent ranks, write the spec to `path`, return it."""
-    measured = spawn(_measure, nproc, timeout_s=600)
-    spec = _spec(nproc, measured)
+def calibrate(nproc: int, path: Path = LOCAL_HARDWARE, threads: int = 1) -> dict:
+    """Measure with `nproc` concurrent ranks of `threads` threads, write the spec to `path`, return it."""
+    measured = spawn(_measure, nproc, timeout_s=600, threads_per_rank=threads)
+    spec = _spec(nproc, threads, measured)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return spec
 
 
 def _measure(rank: Rank) -> dict:
-    torch.set_num_threads(1)
     bandwidth = _copy_bandwidth()
     return {"matmul": {w: _matmul_flops(w) for w in WIDTHS}, "bf16_matmul": _matmul_flops(512, torch.bfloat16),
             "bandwidth": bandwidth, "loss_bytes_per_logit": _loss_bytes_per_logit(bandwidth),
@@ -114,7 +114,7 @@ def _all_reduce_times(rank: Rank) -> dict:
     return times
 
 
-def _spec(nproc: int, measured: list) -> dict:
+def _spec(nproc: int, threads: int, measured: list) -> dict:
     flops = {w: statistics.median(m["matmul"][w] for m in measured) for w in WIDTHS}
     peak = max(flops.values())
     eta_max, w_half = _fit_efficiency(np.array(WIDTHS, float), np.array([flops[w] for w in WIDTHS]) / peak)
@@ -134,8 +134,9 @@ def _spec(nproc: int, measured: list) -> dict:
         "launch_year": time.gmtime().tm_year,
         "peak_flops": {"fp32": float(peak), "bf16": float(statistics.median(m["bf16_matmul"] for m in measured))},
         "hbm_bytes": float(memory / nproc), "hbm_bw": float(bandwidth), "sram_bytes": 1e6, "scale_up_bw": float(beta),
-        "tdp_w": 1.0, "source": f"mlsys calibrate --nproc {nproc}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        "notes": "per rank, measured while all ranks ran at once with one thread each (as torchrun runs them)",
+        "tdp_w": 1.0, "source": f"mlsys calibrate --nproc {nproc} --threads {threads}, "
+                                f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        "notes": f"per rank, measured while all ranks ran at once with {threads} thread(s) each",
     }
     system = {"name": "local", "accelerators_per_node": nproc, "scale_up_domain": nproc, "scale_up_name": "gloo (loopback)",
               "scale_out_bw": float(beta), "pcie_bw": float(bandwidth), "topology": "single-node",

@@ -82,6 +82,15 @@ class LlamaConfig:
                    rope_theta=rope_theta, rms_norm_eps=rms_norm_eps, tied_embeddings=spec.tied_embeddings,
                    max_seq=spec.max_seq)
 
+    def to_spec(self, name: str, parameters: int, source: str):
+        """This architecture as a catalog `specs.schema.Model`, for predict's twins of what nn/ runs."""
+        from mlsyslab.specs.schema import Model
+
+        return Model(name=name, source=source, family="llama", hidden=self.hidden, layers=self.layers,
+                     heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim, ffn_hidden=self.ffn_hidden,
+                     vocab=self.vocab, tied_embeddings=self.tied_embeddings, max_seq=self.max_seq,
+                     published_params=parameters)
+
     @classmethod
     def from_hf(cls, hf) -> LlamaConfig:
         """From a transformers `LlamaConfig` (or its config.json as a dict)."""

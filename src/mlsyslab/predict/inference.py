@@ -75,13 +75,16 @@ def predict_inference(model: Model, hardware: Hardware, batch, prompt_tokens, ou
     tokens = batch * prompt
     prefill_flops, prefill_bytes = prefill_work(model, batch, prompt, weight_dtype, kv_dtype, t)
     prefill_compute, prefill_memory = prefill_flops / peak, prefill_bytes / memory_bw
-    ttft = np.maximum(prefill_compute, prefill_memory) + all_reduce(tokens * model.hidden * DTYPE_BYTES[hw.dtype])
+    # Host time per forward pass: an eager framework launches every kernel from the CPU (on a CPU, or
+    # a GPU whose launches do not overlap); `mlsys calibrate` measures the time per kernel, 0 elsewhere.
+    launches = a.kernel_overhead_s * a.kernels_per_layer * model.layers
+    ttft = np.maximum(prefill_compute, prefill_memory) + all_reduce(tokens * model.hidden * DTYPE_BYTES[hw.dtype]) + launches
 
     # Decode at mid-generation context.
     context = prompt + output / 2
     decode_flops, decode_bytes = decode_work(model, batch, context, weight_dtype, kv_dtype, t)
     decode_compute, decode_memory = decode_flops / peak, decode_bytes / memory_bw
-    itl = np.maximum(decode_compute, decode_memory) + all_reduce(batch * model.hidden * DTYPE_BYTES[hw.dtype])
+    itl = np.maximum(decode_compute, decode_memory) + all_reduce(batch * model.hidden * DTYPE_BYTES[hw.dtype]) + launches
     # Decode turns compute-bound at the batch B where B·(FLOP/seq)/peak = weights/bw + B·(KV/seq)/bw.
     sequence_flops, _ = decode_work(model, 1, context, weight_dtype, kv_dtype, t)
     margin = sequence_flops / peak - context * kv_token / t / memory_bw
