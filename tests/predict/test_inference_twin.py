@@ -28,3 +28,14 @@ def test_llama_config_as_a_catalog_spec_round_trips():
     spec = config.to_spec("smol", count, "test")
     assert LlamaConfig.from_spec(spec, rope_theta=100000.0, rms_norm_eps=config.rms_norm_eps) == config
     assert np.isclose(parameters(spec).total(), count, rtol=1e-9)
+
+
+def test_the_engine_twin_counts_its_kernels_per_layer():
+    """~80 aten ops per decoder layer in a decode step; more with several sequences (the padding mask)."""
+    import torch
+
+    from mlsyslab.serve.twin import kernels_per_decode_layer
+
+    single, batched = kernels_per_decode_layer(torch.float32, 1), kernels_per_decode_layer(torch.float32, 3)
+    assert 40 <= single <= 150 and single == int(single)
+    assert batched > single

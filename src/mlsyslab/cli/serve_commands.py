@@ -167,8 +167,13 @@ def bench_serve_command(
             reports["prefix cache on" if cache_on else "prefix cache off"] = bench_in_process(
                 loaded, tokenizer, name, config, workload, threads or serving_threads())
     if twin is not None:
+        from mlsyslab.serve.twin import predicted_tpot
+
+        hw, measured = twin
+        tpot = predicted_tpot(loaded, name, hw, resolve_assumptions(None, measured), concurrency, prompt_tokens,
+                              output_tokens)
         for report in reports.values():
-            report["predicted_tpot_s"] = predicted_tpot(loaded, name, twin, workload)
+            report["predicted_tpot_s"] = tpot
     if prefix_ablation:
         on, off = reports["prefix cache on"], reports["prefix cache off"]
         reports["prefix cache on/off"] = {"prefill_tokens": on["prefill_tokens"] / off["prefill_tokens"],
@@ -194,21 +199,6 @@ def bench_in_process(model, tokenizer, name, config, workload, threads: int) -> 
     report.update(prefill_tokens=stats.prefill_tokens, decode_tokens=stats.decode_tokens, steps=stats.steps,
                   preemptions=stats.preemptions, prefix_hit_rate=stats.prefix_hit_rate)
     return report
-
-
-def predicted_tpot(model, name: str, twin: tuple, workload) -> float:
-    """The twin: predict's decode step for this model and engine at the workload's concurrency (the
-    KV cache is fp32 for 16-bit weights on CPU, as `serve.engine` keeps it)."""
-    from mlsyslab.nn.pretrained import DTYPES
-    from mlsyslab.predict.inference import predict_inference
-    from mlsyslab.serve.engine import kv_cache_dtype
-
-    spec = model.config.to_spec(name, sum(p.numel() for p in model.parameters()), "the loaded model's config")
-    hw, assumptions = twin
-    kv = {torch_dtype: label for label, torch_dtype in DTYPES.items()}[kv_cache_dtype(next(model.parameters()))]
-    prediction = predict_inference(spec, hw, workload.concurrency, workload.prompt_tokens, workload.output_tokens,
-                                   kv_dtype=kv, assumptions=resolve_assumptions(None, assumptions))
-    return float(prediction.itl_s)
 
 
 def print_reports(reports: dict) -> None:

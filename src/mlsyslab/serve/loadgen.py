@@ -1,7 +1,8 @@
 """A load generator for any OpenAI-compatible server: throughput, TTFT and TPOT percentiles.
 
 Requests are streamed `/v1/completions` calls whose prompts are token-id lists (the API accepts
-them; no tokenizer is needed on this side) of a chosen length distribution; a `shared_prefix`
+them; no tokenizer is needed on this side; servers that take only text get the ids decoded) of a
+chosen length distribution; a `shared_prefix`
 fraction of every prompt is the same tokens (a shared system prompt), which a prefix cache can
 reuse. Outputs run to exactly `max_tokens` (`ignore_eos`). Load is closed-loop (`concurrency`
 requests in flight) or open-loop (Poisson arrivals at `rate` requests/s).
@@ -101,11 +102,12 @@ class BenchReport:
         return asdict(self)
 
 
-def run_benchmark(url: str, model: str, workload: Workload, timeout_s: float = 600.0) -> BenchReport:
-    """Run `workload` against the OpenAI-compatible server at `url` (ending in /v1)."""
+def run_benchmark(url: str, model: str, workload: Workload, timeout_s: float = 600.0, as_text=None) -> BenchReport:
+    """Run `workload` against the OpenAI-compatible server at `url` (ending in /v1). `as_text` (token
+    ids -> str, a tokenizer's decode) sends prompts as text, for servers that take no token ids."""
     busy = other_processes_busy_cores()
     cores = os.cpu_count() or 1
-    results, duration = asyncio.run(drive(url.rstrip("/"), model, workload, timeout_s))
+    results, duration = asyncio.run(drive(url.rstrip("/"), model, workload, timeout_s, as_text))
     good = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in good)
 
@@ -141,10 +143,11 @@ def other_processes_busy_cores(window_s: float = 1.0) -> float:
     return max(0.0, (busy1 - busy0) / ticks - (own1 - own0)) / window_s
 
 
-async def drive(url: str, model: str, workload: Workload, timeout_s: float) -> tuple[list[RequestResult], float]:
+async def drive(url: str, model: str, workload: Workload, timeout_s: float, as_text=None
+                ) -> tuple[list[RequestResult], float]:
     import httpx
 
-    prompts = workload.prompts()
+    prompts = [(as_text(ids) if as_text else ids, new) for ids, new in workload.prompts()]
     limits = httpx.Limits(max_connections=max(workload.concurrency, 64), max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         start = time.perf_counter()
@@ -173,7 +176,7 @@ async def after(delay_s: float, coroutine):
     return await coroutine
 
 
-async def one(client, url: str, model: str, prompt: list[int], max_tokens: int) -> RequestResult:
+async def one(client, url: str, model: str, prompt: list[int] | str, max_tokens: int) -> RequestResult:
     """One streamed completion; tokens counted from the server's usage report when it sends one."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
