@@ -32,7 +32,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ import httpx
 import torch
 from record import ROOT, OtherProcesses, machine, save  # benchmarks/record.py
 
+from mlsyslab.comm.launch import free_port
 from mlsyslab.nn.pretrained import default_gguf_path, load_pretrained, resolve_folder
 from mlsyslab.nn.tokenizer import Tokenizer
 from mlsyslab.serve.engine import LLM, EngineConfig
@@ -180,12 +180,6 @@ def ready(base: str) -> bool:
             if httpx.get(base + path, timeout=2).status_code == 200:
                 return True
     return False
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def twin_of(dtype: str, args) -> dict:

@@ -126,8 +126,8 @@ def gather_blocks(cache: torch.Tensor, tables: torch.Tensor, length: int) -> tor
 def decode_batch(tables: list[list[int]], lengths: list[int], block_size: int, device):
     """Block tables padded to the longest context, and the mask hiding each row's padding.
 
-    When every context has the same length nothing is padded and the mask is None (so batch-1 decode
-    runs the same kernel as a contiguous cache)."""
+    When every context has the same length nothing is padded and the mask is None (batch-1 decode
+    does no masking work)."""
     if not tables:
         return None, None, 0
     longest = max(lengths)

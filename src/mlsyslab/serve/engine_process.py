@@ -1,9 +1,9 @@
 """The engine in a process of its own, as vLLM's EngineCore: model steps and the HTTP server never
 share an interpreter.
 
-Why a process and not a thread: a step is ~1,000 small torch calls that hold the GIL between
-kernels, and the server's event loop needs the GIL for every streamed token. In one process the two
-stall each other, and more intra-op threads make it worse: measured here (2 cores, bf16 SmolLM2-135M,
+Why a process and not a thread: a step is ~2,500 small torch calls (counted by `serve.twin`) that
+hold the GIL between kernels, and the server's event loop needs the GIL for every streamed token.
+In one process the two stall each other, and more intra-op threads make it worse: measured here (2 cores, bf16 SmolLM2-135M,
 128-token prompts, 64 output tokens) the engine thread with 2 threads gave a 34 ms TPOT at 1 request
 and 81 ms at 16 in flight, although the same engine alone steps in 15 ms and 30 ms. With the engine
 in its own process the server's work runs beside it, not between its kernels.
@@ -54,7 +54,7 @@ class EngineStats:
     def of(cls, engine) -> EngineStats:
         scheduler, kv, radix = engine.scheduler, engine.kv, engine.scheduler.radix
         return cls(len(scheduler.waiting), len(scheduler.running), kv.num_used, kv.num_blocks,
-                   len(radix.blocks()) if radix else 0, radix.hit_rate() if radix else 0.0, scheduler.preemptions,
+                   radix.num_nodes if radix else 0, radix.hit_rate() if radix else 0.0, scheduler.preemptions,
                    engine.steps, engine.prefill_tokens, engine.decode_tokens, scheduler.capacity_tokens,
                    engine.model.config.max_seq)
 
