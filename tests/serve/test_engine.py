@@ -100,3 +100,25 @@ def test_refresh_weights_serves_the_updated_model():
     llm.engine.refresh_weights()
     after = llm.generate([[1, 2, 3]], params)[0].output_ids
     assert after == greedy_reference(model, [1, 2, 3], 8) and after != before
+
+
+def test_bf16_weights_run_wide_steps_on_their_exact_fp32_copy():
+    """A 16-bit CPU engine sends steps of many tokens to an fp32 copy of the same weights (faster GEMMs
+    without AMX); the copy holds the bf16 values exactly, so all-wide generation is the fp32 model's."""
+    import copy
+
+    from mlsyslab.serve.engine import cpu_has_amx
+    from tests.serve.tiny import block_bytes, greedy_reference, tiny_model
+
+    model = tiny_model(dtype=torch.bfloat16)
+    config = EngineConfig(kv_cache_bytes=100 * block_bytes(16))
+    default = Engine(model, config=config)
+    assert default.wide_from == (0 if cpu_has_amx() else 16) and (default.wide_model is None) == cpu_has_amx()
+    assert Engine(model, config=EngineConfig(kv_cache_bytes=config.kv_cache_bytes, fp32_steps_from=0)).wide_model is None
+    always = LLM(model, config=EngineConfig(kv_cache_bytes=config.kv_cache_bytes, fp32_steps_from=1))
+    wide = always.engine.wide_model
+    assert torch.equal(wide.embed_tokens.weight, model.embed_tokens.weight.float())
+    prompt = [5, 17, 3, 60, 41]
+    expected = greedy_reference(copy.deepcopy(model).float(), prompt, 8)
+    assert always.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0].output_ids == expected
+    assert Engine(tiny_model(dtype=torch.float32), config=config).wide_model is None  # fp32 needs no copy

@@ -4,8 +4,9 @@ The KV cache is a pool of fixed-size blocks per layer, `[kv_heads, num_blocks, b
 (owned by `serve.kv_cache.KVCache`). A sequence's tokens live in the blocks its block table lists,
 in order: token at position p sits in block `table[p // block_size]`, slot `p % block_size`. So a
 sequence grows one block at a time, never needs contiguous memory, and sequences can share blocks
-(a common prefix). Heads come first so that gathering a sequence's blocks (`index_select` on the
-block axis) yields K as `[kv_heads, tokens, head_dim]`, the layout attention multiplies, in one copy.
+(a common prefix). Heads come first so that gathering a sequence's blocks (whole rows of the cache
+seen as `[kv_heads · num_blocks, block_size, head_dim]`) yields K as `[kv_heads, tokens, head_dim]`, the
+layout attention multiplies, in one copy.
 
 One step's tokens come packed: each scheduled sequence contributes `query_len` new tokens (a prefill
 chunk, or 1 for a decode) and has `context_len` tokens in the cache once they are written. For each
@@ -62,12 +63,13 @@ class PagedAttention:
                 decode_tables.append(seq.block_table[: -(-seq.context_len // block_size)])
                 decode_lens.append(seq.context_len)
             else:
-                blocks = torch.tensor(seq.block_table[: -(-seq.context_len // block_size)], device=device)
-                self.prefills.append((start, seq.query_len, seq.context_len, blocks))
+                blocks = torch.tensor([seq.block_table[: -(-seq.context_len // block_size)]], device=device)
+                self.prefills.append((start, seq.query_len, seq.context_len, cache_rows(blocks, k_cache.shape)))
             start += seq.query_len
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
         self.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
-        self.decode_tables, self.decode_mask, self.decode_len = decode_batch(decode_tables, decode_lens, block_size, device)
+        tables, self.decode_mask, self.decode_len = decode_batch(decode_tables, decode_lens, block_size, device)
+        self.decode_rows_in_cache = cache_rows(tables, k_cache.shape) if tables is not None else None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [1, T, heads, d], k/v [1, T, kv_heads, d] (packed) -> [1, T, heads, d]."""
@@ -77,12 +79,12 @@ class PagedAttention:
             cache.view(kv_heads, -1, head_dim).index_copy_(1, self.slot_mapping, new[0].transpose(0, 1).to(cache.dtype))
         out = torch.empty_like(q[0])
         if len(self.decode_rows):
-            attended = decode_attention(q[0, self.decode_rows], k_cache, v_cache, self.decode_tables,
+            attended = decode_attention(q[0, self.decode_rows], k_cache, v_cache, self.decode_rows_in_cache,
                                         self.decode_mask, self.decode_len)
             out[self.decode_rows] = attended.to(out.dtype)
-        for start, query_len, context_len, blocks in self.prefills:
-            keys = gather_blocks(k_cache, blocks[None], context_len)
-            values = gather_blocks(v_cache, blocks[None], context_len)
+        for start, query_len, context_len, rows in self.prefills:
+            keys = gather_blocks(k_cache, rows, 1, context_len)
+            values = gather_blocks(v_cache, rows, 1, context_len)
             query = q[:, start:start + query_len].transpose(1, 2)  # [1, heads, query_len, d]
             mask = None if query_len == context_len else chunk_causal_mask(query_len, context_len, q.device)
             attended = attention(query, keys.transpose(0, 1), values.transpose(0, 1), mask, causal=mask is None)
@@ -90,15 +92,16 @@ class PagedAttention:
         return out[None]
 
 
-def decode_attention(query, k_cache, v_cache, tables, mask, length: int) -> torch.Tensor:
+def decode_attention(query, k_cache, v_cache, rows, mask, length: int) -> torch.Tensor:
     """query [D, heads, d] (one new token per sequence); caches [kv, num_blocks, block_size, d];
-    tables [D, n]; mask [D, length] (True: a real token) or None -> [D, heads, d] in the cache dtype.
+    rows: `cache_rows` of the D block tables; mask [D, length] (True: a real token) or None
+    -> [D, heads, d] in the cache dtype.
 
     softmax(q·Kᵀ/√d)·V as two batched matmuls over (KV head, sequence), the `heads // kv` query heads
     of a group as the rows of one product: K and V are read once, never repeated per query head."""
     sequences, kv_heads, head_dim = query.shape[0], k_cache.shape[0], k_cache.shape[-1]
-    keys = gather_blocks(k_cache, tables, length)  # [kv, D, length, d]
-    values = gather_blocks(v_cache, tables, length)
+    keys = gather_blocks(k_cache, rows, sequences, length)  # [kv, D, length, d]
+    values = gather_blocks(v_cache, rows, sequences, length)
     grouped = query.view(sequences, kv_heads, -1, head_dim).transpose(0, 1).to(keys.dtype) * head_dim ** -0.5
     scores = grouped @ keys.transpose(-1, -2)  # [kv, D, group, length]
     if mask is not None:
@@ -115,12 +118,21 @@ def attention(query, keys, values, mask, causal: bool) -> torch.Tensor:
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
 
 
-def gather_blocks(cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
-    """cache [kv, num_blocks, block_size, d], tables [B, n] -> the first `length` tokens, [kv, B, length, d]."""
-    kv_heads, _, block_size, head_dim = cache.shape
-    batch, width = tables.shape
-    gathered = cache.index_select(1, tables.reshape(-1)).view(kv_heads, batch, width * block_size, head_dim)
-    return gathered[:, :, :length]
+def cache_rows(tables: torch.Tensor, cache_shape) -> torch.Tensor:
+    """Block tables [B, n] -> rows of the cache seen as [kv · num_blocks, block_size, d]: head h's copy of
+    block b is row h · num_blocks + b; ordered (head, sequence, block) for `gather_blocks`."""
+    kv_heads, num_blocks = cache_shape[-4], cache_shape[-3]
+    heads = torch.arange(kv_heads, device=tables.device)[:, None] * num_blocks
+    return (heads + tables.reshape(1, -1)).reshape(-1)
+
+
+def gather_blocks(cache: torch.Tensor, rows: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """cache [kv, num_blocks, block_size, d], rows from `cache_rows` of B = `batch` tables -> the first
+    `length` tokens of each, [kv, B, length, d]. Gathering whole rows of the flattened cache (dim 0)
+    copies contiguous blocks and ran 2x faster here than `index_select` on the block axis (dim 1)."""
+    kv_heads, num_blocks, block_size, head_dim = cache.shape
+    gathered = cache.reshape(kv_heads * num_blocks, block_size, head_dim).index_select(0, rows)
+    return gathered.view(kv_heads, batch, -1, head_dim)[:, :, :length]
 
 
 def decode_batch(tables: list[list[int]], lengths: list[int], block_size: int, device):
