@@ -13,6 +13,9 @@ def test_pool_is_sized_from_the_byte_budget():
     kv = KVCache(CONFIG, 10 * block_bytes(4) + 5, block_size=4, dtype=torch.float64)
     assert kv.num_blocks == 10 and kv.block_bytes == 2 * 2 * 2 * 8 * 4 * 8
     assert kv.k.shape == (2, 2, 10, 4, 8)
+    for dtype in (torch.float64, torch.bfloat16):  # zeroed (masked padding reads unwritten slots), distinct pools
+        pool = KVCache(CONFIG, 10 * block_bytes(4), block_size=4, dtype=dtype)
+        assert pool.k.dtype == dtype and not pool.k.any() and not pool.v.any() and pool.k.data_ptr() != pool.v.data_ptr()
     with pytest.raises(InvalidValue, match="kv_cache_bytes"):
         KVCache(CONFIG, block_bytes(4) - 1, block_size=4, dtype=torch.float64)
 

@@ -13,9 +13,11 @@ no free block in use). Tested in tests/serve/test_kv_cache.py and the scheduler 
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from collections.abc import Iterable
 
+import numpy
 import torch
 
 from mlsyslab.errors import InvalidValue
@@ -35,8 +37,7 @@ class KVCache:
         if self.num_blocks < 1:
             raise InvalidValue("kv_cache_bytes", budget_bytes, f">= {self.block_bytes} (one block of {block_size} tokens)")
         shape = (config.layers, config.kv_heads, self.num_blocks, block_size, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = zeros(shape, dtype, device), zeros(shape, dtype, device)
         self.refcount = [0] * self.num_blocks
         self.free_blocks: deque[int] = deque(range(self.num_blocks))
 
@@ -89,6 +90,16 @@ class KVCache:
             raise AssertionError("KV cache: a block is in the free pool twice")
         if set(free) != {block for block in range(self.num_blocks) if self.refcount[block] == 0}:
             raise AssertionError("KV cache: the free pool differs from the blocks with refcount 0")
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """A zeroed pool. On CPU through numpy's calloc, whose fresh pages the OS zeroes on first touch:
+    `torch.zeros` writes all of them up front (1.9 s for the default 1 GB here, most of it never used).
+    Zeros, not garbage: masked padding reads unwritten slots, and 0 · NaN would poison attention."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(numpy.zeros(count, dtype=numpy.uint8)).view(dtype).view(shape)
 
 
 def block_bytes(config: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
