@@ -6,11 +6,19 @@ import copy
 
 import pytest
 import torch
+from torch.func import functional_call
 
 from mlsyslab.comm.launch import spawn
+from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama, LlamaConfig
-from mlsyslab.parallel.pipeline import PipelineRank, split
-from mlsyslab.parallel.schedules import build, chrome_trace, render_png, timeline, weight_versions
+from mlsyslab.parallel.pipeline import PipelineRank, StageChunk, split
+from mlsyslab.parallel.schedules import (
+    build,
+    chrome_trace,
+    render_png,
+    timeline,
+    weight_versions,
+)
 from mlsyslab.predict.pipeline import pipeline_bubble_fraction
 
 CONFIG = LlamaConfig(vocab=64, hidden=32, layers=8, heads=4, kv_heads=2, head_dim=8, ffn_hidden=48, tied_embeddings=False,
@@ -88,3 +96,60 @@ def test_executed_pipeline_equals_the_unpipelined_model(world, name, microbatche
         assert peaks[0] == microbatches
     if name == "1f1b":
         assert peaks[0] <= world
+
+
+def _pipedream_data(microbatches):
+    reference = Llama(CONFIG).initialize(generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, CONFIG.vocab, (microbatches * 2, 9), generator=torch.Generator().manual_seed(4))
+    return reference, ids[:, :-1], ids[:, 1:]
+
+
+def _run_pipedream(rank, microbatches, lr):
+    torch.manual_seed(0)
+    model, inputs, targets = _pipedream_data(microbatches)
+    pipeline = PipelineRank(model, rank, build("pipedream", rank.world_size, microbatches))
+    optimizer = torch.optim.SGD(pipeline.chunks.parameters(), lr=lr)
+    with pytest.raises(InvalidValue, match="optimizer"):
+        pipeline.step(inputs, targets)
+    held = []
+    real_update = pipeline.stashes[0].update
+    pipeline.stashes[0].update = lambda mb, opt: (held.append(pipeline.stashes[0].versions_held), real_update(mb, opt))
+    loss, spans = pipeline.step(inputs, targets, optimizer)
+    weights = {name: parameter.detach().clone() for name, parameter in pipeline.chunks[0].named_parameters()}
+    return loss, weights, dict(pipeline.stashes[0].used), max(held)
+
+
+def _pipedream_replay(stages, microbatches, lr):
+    """One process, no pipeline: microbatch j runs forward and backward through every stage at the weight
+    version `weight_versions` gives it there; stage s's k-th update applies microbatch k's gradient."""
+    model, inputs, targets = _pipedream_data(microbatches)
+    chunks = [StageChunk(model, *bounds) for bounds in split(model, stages)]
+    versions = weight_versions(build("pipedream", stages, microbatches))
+    history = [[{n: p.detach().clone() for n, p in chunk.named_parameters()}] for chunk in chunks]
+    losses = []
+    for j, (x, y) in enumerate(zip(inputs.chunk(microbatches), targets.chunk(microbatches))):
+        used = [{n: t.clone().requires_grad_() for n, t in history[s][versions[s][j]].items()} for s in range(stages)]
+        for chunk, weights in zip(chunks, used):
+            x = functional_call(chunk, weights, (x,))
+        loss = torch.nn.functional.cross_entropy(x.reshape(-1, CONFIG.vocab), y.reshape(-1))
+        loss.backward()
+        losses.append(loss.item())
+        for s in range(stages):
+            history[s].append({n: history[s][-1][n] - lr * used[s][n].grad for n in used[s]})
+    return sum(losses) / microbatches, [h[-1] for h in history], versions
+
+
+@pytest.mark.parametrize("world, microbatches", [(2, 6), (4, 8)])
+def test_pipedream_executes_weight_stashing(world, microbatches):
+    """Each rank updates after every backward; a microbatch's backward uses the weights its forward used.
+    The executed pipeline ends with exactly the weights of a single-process replay of those versions,
+    and a stage holds at most p − r weight versions."""
+    lr = 0.5  # large, so that a backward on the wrong version would move the weights visibly
+    results = spawn(_run_pipedream, world, microbatches, lr)
+    loss, final, versions = _pipedream_replay(world, microbatches, lr)
+    assert [r[0] for r in results if r[0] is not None] == [pytest.approx(loss, rel=1e-5)]
+    for rank, (_, weights, used, held) in enumerate(results):
+        assert used == versions[rank]
+        assert held <= world - rank
+        assert max(abs(weights[n] - final[rank][n]).max().item() for n in weights) < 1e-5
+    assert versions[0] != {i: i for i in range(microbatches)}  # the first stage really lags

@@ -9,11 +9,14 @@ and takes the loss). Rank r holds virtual stages r, r + p, …. For each action 
   backward through the kept output, and sends the input gradient back.
 Sends are asynchronous and waited at the end of the step, so a rank runs as far as its inputs allow
 and the schedule's order alone decides overlap (no send/recv ordering deadlock). Parameter
-gradients accumulate over the microbatches; the optimizer steps after the flush.
+gradients accumulate over the microbatches; the caller's optimizer steps after the flush — except
+under "pipedream", where each rank updates its weights after every backward (asynchronous 1F1B)
+and stashes the version each forward used for that microbatch's backward (parallel/weight_stash.py);
+there a step is a run of m microbatches, and the only flush is at its end.
+Each span of the executed timeline starts once the action's input has arrived, so the time a rank
+spends waiting for its neighbour is idle time: `executed_bubble` measures the bubble from the spans.
 Twin: predict.pipeline (bubble), predict.memory (activations in flight). Held equal to the
-unpipelined model in tests/parallel/test_pipeline.py.
-Not done here: PipeDream's asynchronous weight updates are scheduled (schedules.weight_versions) but
-this executor flushes every step, so it runs "pipedream" with synchronous updates.
+unpipelined model, and PipeDream to a single-process replay, in tests/parallel/test_pipeline.py.
 """
 
 import time
@@ -26,8 +29,14 @@ from mlsyslab.comm.launch import Rank
 from mlsyslab.comm.log import CommLog
 from mlsyslab.comm.p2p import Wire
 from mlsyslab.errors import InvalidValue
-from mlsyslab.nn.llama import Llama, causal_attention, rope_cos_sin, rope_inverse_frequencies
+from mlsyslab.nn.llama import (
+    Llama,
+    causal_attention,
+    rope_cos_sin,
+    rope_inverse_frequencies,
+)
 from mlsyslab.parallel.schedules import Schedule
+from mlsyslab.parallel.weight_stash import WeightStash
 
 
 class StageChunk(nn.Module):
@@ -75,19 +84,24 @@ class PipelineRank:
         self.hidden, self.last_stage = model.config.hidden, schedule.stages * schedule.chunks - 1
         self.dtype = model.norm.weight.dtype  # activations travel in the model's dtype
         self.peak_activations = 0  # microbatch-chunks held at once, as executed
+        self.stashes = [WeightStash(chunk) for chunk in self.chunks] if schedule.name == "pipedream" else None
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float | None, list]:
-        """One flushed pipeline step over the microbatches of `inputs` / `targets` ([m·b, s] each).
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, optimizer: torch.optim.Optimizer | None = None
+             ) -> tuple[float | None, list]:
+        """One pipeline step over the microbatches of `inputs` / `targets` ([m·b, s] each).
 
         Returns the mean loss (on the rank that holds the last stage, else None) and the executed
-        timeline [(action, start_s, end_s)].
+        timeline [(action, start_s, end_s)], times from `time.perf_counter()` (one clock for every
+        process of a machine). Under "pipedream", `optimizer` (over this rank's chunks) steps after
+        every backward; otherwise gradients accumulate for the caller to apply.
         """
+        if self.stashes is not None and optimizer is None:
+            raise InvalidValue("optimizer", None, "an optimizer over this rank's chunks (PipeDream updates after "
+                                                  "every backward)")
         m = self.schedule.microbatches
         micro_inputs, micro_targets = inputs.chunk(m), targets.chunk(m)
         kept, losses, sends, spans = {}, {}, [], []
-        origin = time.perf_counter()
         for action in self.schedule.actions[self.rank.rank]:
-            began = time.perf_counter() - origin
             stage = self.schedule.virtual_stage(self.rank.rank, action.chunk)
             chunk = self.chunks[action.chunk]
             if action.kind == "F":
@@ -95,11 +109,12 @@ class PipelineRank:
                     x = micro_inputs[action.microbatch]
                 else:
                     x = self._receive(micro_inputs[action.microbatch], stage - 1, requires_grad=True)
-                out = chunk(x)
+                began = time.perf_counter()
+                out = chunk(x) if self.stashes is None else self.stashes[action.chunk].forward(action.microbatch, x)
                 if stage == self.last_stage:
-                    loss = self.loss(out, micro_targets[action.microbatch]) / m
-                    losses[action.microbatch] = loss.detach()
-                    out = loss
+                    loss = self.loss(out, micro_targets[action.microbatch])
+                    losses[action.microbatch] = loss.detach() / m
+                    out = loss / m if self.stashes is None else loss  # PipeDream: each microbatch's own update
                 else:
                     sends.append(self.wire.isend(out.detach(), self._owner(stage + 1)))
                 kept[(action.microbatch, action.chunk)] = (x, out)
@@ -107,14 +122,18 @@ class PipelineRank:
             else:
                 x, out = kept.pop((action.microbatch, action.chunk))
                 if stage == self.last_stage:
+                    began = time.perf_counter()
                     out.backward()
                 else:
                     grad = torch.empty_like(out)
                     self.wire.recv(grad, self._owner(stage + 1))
+                    began = time.perf_counter()
                     out.backward(grad)
                 if stage > 0:
                     sends.append(self.wire.isend(x.grad, self._owner(stage - 1)))
-            spans.append((action, began, time.perf_counter() - origin))
+                if self.stashes is not None:
+                    self.stashes[action.chunk].update(action.microbatch, optimizer)
+            spans.append((action, began, time.perf_counter()))
         for pending in sends:
             pending.wait()
         loss = float(sum(losses.values())) if losses else None
@@ -133,3 +152,13 @@ class PipelineRank:
 def mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32 for the softmax
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def executed_bubble(spans_per_rank: list[list]) -> float:
+    """The idle fraction of ranks × makespan in an executed timeline (`PipelineRank.step`'s spans from
+    every rank of the pipeline): 1 − busy / (p · (last end − first start)), as `schedules.timeline`
+    computes it for the simulated one. Waiting for a neighbour's activation or gradient is idle."""
+    starts = [start for spans in spans_per_rank for _, start, _ in spans]
+    ends = [end for spans in spans_per_rank for _, _, end in spans]
+    busy = sum(end - start for spans in spans_per_rank for _, start, end in spans)
+    return 1 - busy / (len(spans_per_rank) * (max(ends) - min(starts)))
