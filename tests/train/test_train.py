@@ -44,6 +44,15 @@ def mlsys(*args, **kwargs):
     (["--offload"], "offload"),
     (["--nproc", "16", "--global-batch", "8"], "nproc"),
     (["--resume"], "resume"),
+    (["--tp", "3"], "layout"),  # dp·pp·cp·tp must equal nproc
+    (["--tp", "2", "--nproc", "4", "--dp", "1"], "layout"),
+    (["--pp", "2", "--global-batch", "2"], "microbatches"),  # fewer microbatches than stages
+    (["--ep", "2"], "ep"),
+    (["--tp", "2", "--strategy", "zero2"], "strategy"),
+    (["--pp", "2", "--schedule", "pipedream"], "schedule"),
+    (["--pp", "2", "--interleave", "2"], "interleave"),
+    (["--pp", "2", "--microbatches", "3"], "microbatches"),
+    (["--dp", "1"], "dp"),
 ])
 def test_bad_input_is_refused_before_launch(tiny, args, field):
     started = time.perf_counter()
@@ -115,3 +124,21 @@ def test_report_holds_states_and_wire_equal_to_predict(tiny, strategy, extra):
     for op, pair in report["wire_bytes_per_step"].items():
         assert pair["measured"] == pytest.approx(pair["predicted"]), (op, pair)
     assert report["step_s"]["measured"] > 0
+
+
+def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny):
+    """--tp 2, --pp 2 (tied embeddings across the stages) and --cp 2 reproduce one process's losses;
+    TP and PP bytes on the wire equal the prediction, and PP reports its executed bubble."""
+    reference = _train_json(tiny, "--nproc", "1", "--steps", "3")["result"]["losses"]
+    for args in (["--tp", "2"], ["--pp", "2", "--microbatches", "4"], ["--cp", "2"]):
+        report = _train_json(tiny, "--steps", "3", *args)
+        assert report["result"]["losses"] == pytest.approx(reference, rel=1e-5), args
+        wire = report["predicted_vs_measured"]["wire_bytes_per_step"]
+        if "--tp" in args:
+            assert wire["tensor_parallel"]["measured"] == pytest.approx(wire["tensor_parallel"]["predicted"])
+        if "--pp" in args:
+            assert wire["pipeline_p2p"]["measured"] == pytest.approx(wire["pipeline_p2p"]["predicted"])
+            bubble = report["predicted_vs_measured"]["bubble"]
+            assert bubble["predicted"] == pytest.approx(1 / 5) and 0 < bubble["measured"] < 1
+        if "--cp" in args:
+            assert wire["context_parallel"]["measured"] > wire["data_parallel"]["measured"] == 0

@@ -37,18 +37,28 @@ def train_command(
     master_addr: Annotated[Optional[str], typer.Option("--master-addr", help="torchrun: rendezvous host (multi-node)")] = None,
     master_port: Annotated[Optional[int], typer.Option("--master-port", help="torchrun: rendezvous port")] = None,
     seed: Annotated[int, typer.Option(help="weights and data order")] = 0,
+    tp: Annotated[int, typer.Option("--tp", help="tensor-parallel ranks (Megatron column/row split)")] = 1,
+    pp: Annotated[int, typer.Option("--pp", help="pipeline stages")] = 1,
+    cp: Annotated[int, typer.Option("--cp", help="context-parallel ranks (ring attention)")] = 1,
+    ep: Annotated[int, typer.Option("--ep", help="expert-parallel ranks (MoE models only; none in the mesh yet)")] = 1,
+    dp: Annotated[Optional[int], typer.Option("--dp", help="data-parallel ranks (default: nproc / (tp·pp·cp))")] = None,
+    schedule: Annotated[str, typer.Option(help="pipeline schedule: gpipe, 1f1b or interleaved")] = "1f1b",
+    microbatches: Annotated[Optional[int], typer.Option("--microbatches", help="microbatches per step per data-parallel rank (sets --micro-batch)")] = None,
+    interleave: Annotated[int, typer.Option(help="model chunks per pipeline rank (--schedule interleaved)")] = 1,
     json: Json = False,
 ):
-    """Train the nn/ Llama on a real corpus with DDP or ZeRO; end with predicted vs measured bytes and time."""
+    """Train the nn/ Llama on a real corpus with DDP or ZeRO, or on a DP × PP × CP × TP mesh; end with
+    predicted vs measured bytes, bubble and time."""
     from mlsyslab.train.trainer import TrainConfig, default_micro_batch
-    from mlsyslab.verify.training import compare_training
+    from mlsyslab.verify.training import compare_mesh_training, compare_training
 
     spec = resolve_model(model, model_spec)
     config = TrainConfig(model=spec.model_dump(), strategy=strategy, nproc=nproc * nnodes, steps=steps, seq=seq,
-                         global_batch=global_batch, micro_batch=micro_batch or default_micro_batch(global_batch, nproc * nnodes),
-                         lr=lr, bf16=bf16, offload=offload, seed=seed,
+                         global_batch=global_batch, micro_batch=1, lr=lr, bf16=bf16, offload=offload, seed=seed,
                          checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
-                         checkpoint_every=checkpoint_every, resume=resume)
+                         checkpoint_every=checkpoint_every, resume=resume, tp=tp, pp=pp, cp=cp, ep=ep, dp=dp,
+                         schedule=schedule, interleave=interleave)
+    config.micro_batch = micro_batch or _micro_batch(config, microbatches, default_micro_batch)
     config.validate()
     hw, measured = resolve_hardware(hardware, hardware_spec, "bf16" if bf16 else "fp32") if (hardware or hardware_spec) else (None, {})
     from mlsyslab.train.corpus import corpus_tokens, tokenizer_vocab
@@ -74,27 +84,47 @@ def train_command(
             console.print(f"[red]training failed (torchrun exit code {finished.returncode})[/]")
             raise typer.Exit(1)
         result = jsonlib.loads(result_path.read_text())
-    comparison = compare_training(config, result, hw, resolve_assumptions(None, measured))
+    compare = compare_mesh_training if config.on_mesh else compare_training
+    comparison = compare(config, result, hw, resolve_assumptions(None, measured))
     report = {"config": config.__dict__, "result": result, "predicted_vs_measured": comparison}
     if json:
         return emit_json(report)
     _print(config, result, comparison)
 
 
+def _micro_batch(config, microbatches: int | None, default_micro_batch) -> int:
+    """Sequences per microbatch: from --microbatches when given (it must divide the data-parallel share)."""
+    share = config.global_batch // max(1, config.data_parallel)
+    if microbatches is None:
+        return default_micro_batch(config.global_batch, config.data_parallel)
+    if microbatches < 1 or share % microbatches:
+        raise InvalidValue("microbatches", microbatches, f"a divisor of the {share} sequences per data-parallel rank")
+    return share // microbatches
+
+
 def _print(config, result, comparison) -> None:
     losses = result["losses"]
-    console.print(f"[bold]{config.model['name']}[/] ({result['parameters']:,} parameters), {config.strategy}"
+    how = (f"dp{config.data_parallel}·pp{config.pp}·cp{config.cp}·tp{config.tp}"
+           + (f" {config.schedule}" if config.pp > 1 else "") if config.on_mesh else config.strategy)
+    console.print(f"[bold]{config.model['name']}[/] ({result['parameters']:,} parameters on rank 0), {how}"
                   f"{' + offload' if config.offload else ''}{' bf16' if config.bf16 else ''} on {config.nproc} ranks: "
                   f"steps {result['first_step'] + 1}-{config.steps}, loss {losses[0]:.4f} → {losses[-1]:.4f}, "
                   f"{result['tokens_per_s']:,.0f} tokens/s" if losses else "nothing to do: already trained")
     fmt = lambda v: "—" if v is None else human(v, "B")  # noqa: E731
     ratio = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
-    console.print(table("bytes per rank (rank 0)", [(k, fmt(v["predicted"]), fmt(v["measured"]), ratio(v["ratio"]))
-                                                     for k, v in comparison["memory_bytes"].items()],
-                        ("category", "predicted", "measured", "measured / predicted")))
+    if "memory_bytes" in comparison:
+        console.print(table("bytes per rank (rank 0)", [(k, fmt(v["predicted"]), fmt(v["measured"]), ratio(v["ratio"]))
+                                                         for k, v in comparison["memory_bytes"].items()],
+                            ("category", "predicted", "measured", "measured / predicted")))
     console.print(table("bytes on the wire per step (rank 0)", [(k, fmt(v["predicted"]), fmt(v["measured"]), ratio(v["ratio"]))
                                                                 for k, v in comparison["wire_bytes_per_step"].items()],
                         ("op", "predicted", "measured", "measured / predicted")))
+    if comparison.get("bubble", {}).get("predicted") is not None:
+        bubble = comparison["bubble"]
+        share = lambda v: "—" if v is None else f"{v:.1%}"  # noqa: E731
+        console.print(table("pipeline bubble", [("analytic vs executed timeline", share(bubble["predicted"]),
+                                                 share(bubble["measured"]), ratio(bubble["ratio"]))],
+                            ("", "predicted", "measured", "measured / predicted")))
     step = comparison["step_s"]
     console.print(table("step time", [("median step", seconds(step["predicted"]) if step["predicted"] else "— (pass --hardware local)",
                                        seconds(step["measured"]), ratio(step["ratio"]))],

@@ -8,8 +8,9 @@ there). A layout that cannot work is rejected before anything starts, naming the
 PP runs the 1F1B schedule between the stages (vocab-parallel loss on the last), CP shards the
 sequence with ring attention (its gradients summed over the CP group), and DP averages the gradients.
 Held against the single-process model in tests/parallel/test_mesh.py (DP2 × PP2 × TP2 on 8 ranks,
-DP2 × CP2 on 4). Not done: EP inside the mesh (parallel/expert.py works on its own group), ZeRO along
-DP, and the trainer's --tp/--pp/--cp/--ep flags.
+DP2 × CP2 on 4). `mlsys train --tp/--pp/--cp/--dp` runs it (train.trainer.train_on_mesh); given
+`logs` (a CommLog per dimension), every byte each dimension sends is counted there. Not done: EP
+inside the mesh (parallel/expert.py works on its own group), ZeRO along DP.
 """
 
 from dataclasses import dataclass, replace
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from mlsyslab.comm.launch import Rank
+from mlsyslab.comm.log import CommLog, nbytes, traced
 from mlsyslab.comm.p2p import Wire
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama
@@ -82,7 +84,7 @@ def build_mesh(rank: Rank, layout: MeshLayout) -> MeshRanks:
 
 
 def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
-                  pipeline: PipelineRank | None = None) -> float:
+                  pipeline: PipelineRank | None = None, logs: dict | None = None) -> float:
     """Forward and backward of this rank's share of a global batch; returns the global mean loss.
 
     `inputs`/`targets` are the global batch [B, s]; DP takes rows, CP takes zig-zag columns, PP splits
@@ -94,9 +96,11 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
         loss = pipeline.step(*rows)[0]
         loss = torch.tensor(0.0 if loss is None else loss, dtype=torch.float64)
         dist.all_reduce(loss, group=mesh.pp.group)  # only the last stage had it
+        if model.config.tied_embeddings:
+            _sum_tied_embedding_gradient(model, mesh.pp, (logs or {}).get("pipeline_p2p"))
     elif layout.cp > 1:
         positions = zigzag_indices(inputs.shape[1], layout.cp, mesh.cp.rank)
-        wire = Wire(mesh.cp)
+        wire = Wire(mesh.cp, (logs or {}).get("context_parallel"))
         hidden = model.hidden_states(rows[0][:, positions], positions.expand(rows[0].shape[0], -1),
                                      lambda layer, q, k, v: ring_attention(wire, q, k, v, positions))
         logits = model.lm_head(hidden)
@@ -106,36 +110,50 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
         local.backward()
         loss = local.detach().clone()
         dist.all_reduce(loss, group=mesh.cp.group)
-        _all_reduce_gradients(model, mesh.cp, average=False)
+        _all_reduce_gradients(model, mesh.cp, average=False, log=(logs or {}).get("context_parallel"))
     else:
         logits = model(rows[0])
-        loss = vocab_parallel_cross_entropy(logits, rows[1], TensorGroup(mesh.tp)) if layout.tp > 1 else \
+        loss = vocab_parallel_cross_entropy(logits, rows[1], TensorGroup(mesh.tp, (logs or {}).get("tensor_parallel"))) \
+            if layout.tp > 1 else \
             mean_cross_entropy(logits, rows[1])
         loss.backward()
         loss = loss.detach()
-    _all_reduce_gradients(model, mesh.dp, average=True)
+    _all_reduce_gradients(model, mesh.dp, average=True, log=(logs or {}).get("data_parallel"))
     dist.all_reduce(loss, group=mesh.dp.group)
     return loss.item() / layout.dp
 
 
-def prepare(model: Llama, mesh: MeshRanks, microbatches: int) -> tuple[Llama, PipelineRank | None]:
+def prepare(model: Llama, mesh: MeshRanks, microbatches: int, schedule: str = "1f1b", interleave: int = 1,
+            logs: dict | None = None) -> tuple[Llama, PipelineRank | None]:
     """Split `model` (the same full weights on every rank) by TP, then into this rank's pipeline stages."""
-    layout = mesh.layout
+    layout, logs = mesh.layout, logs or {}
+    tp = TensorGroup(mesh.tp, logs.get("tensor_parallel"))
     if layout.tp > 1:
-        parallelize_llama(model, TensorGroup(mesh.tp))
+        parallelize_llama(model, tp)
     if layout.pp == 1:
         return model, None
-    loss = (lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, TensorGroup(mesh.tp))) \
-        if layout.tp > 1 else None
-    pipeline = PipelineRank(model, mesh.pp, build("1f1b", layout.pp, microbatches), loss=loss)
+    loss = (lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp)) if layout.tp > 1 else None
+    pipeline = PipelineRank(model, mesh.pp, build(schedule, layout.pp, microbatches, interleave),
+                            log=logs.get("pipeline_p2p"), loss=loss)
     return model, pipeline
 
 
-def _all_reduce_gradients(model, rank: Rank, average: bool) -> None:
+def _all_reduce_gradients(model, rank: Rank, average: bool, log: CommLog | None = None) -> None:
     if rank.world_size == 1:
         return
     for parameter in model.parameters():
         if parameter.grad is not None:
-            dist.all_reduce(parameter.grad, group=rank.group)
+            traced(log, "all_reduce", nbytes(parameter.grad), rank.world_size, dist.all_reduce, parameter.grad,
+                   group=rank.group)
             if average:
                 parameter.grad /= rank.world_size
+
+
+def _sum_tied_embedding_gradient(model: Llama, pp: Rank, log: CommLog | None) -> None:
+    """Tied embeddings under PP: the first stage's embedding and the last stage's head are one matrix
+    held twice, so their gradients are summed over the pipeline group (Megatron's embedding group;
+    stages in between add zeros) and both copies take the same step."""
+    weight = model.embed_tokens.weight
+    grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+    traced(log, "all_reduce", nbytes(grad), pp.world_size, dist.all_reduce, grad, group=pp.group)
+    weight.grad = grad

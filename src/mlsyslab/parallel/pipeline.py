@@ -85,6 +85,7 @@ class PipelineRank:
         self.dtype = model.norm.weight.dtype  # activations travel in the model's dtype
         self.peak_activations = 0  # microbatch-chunks held at once, as executed
         self.stashes = [WeightStash(chunk) for chunk in self.chunks] if schedule.name == "pipedream" else None
+        self.last_spans: list = []  # the executed timeline of the latest step
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, optimizer: torch.optim.Optimizer | None = None
              ) -> tuple[float | None, list]:
@@ -136,6 +137,7 @@ class PipelineRank:
             spans.append((action, began, time.perf_counter()))
         for pending in sends:
             pending.wait()
+        self.last_spans = spans
         loss = float(sum(losses.values())) if losses else None
         return loss, spans
 

@@ -7,6 +7,12 @@ checkpoint (train/checkpoint.py); with `resume` it continues from the newest com
 very batches the uninterrupted run would have. It measures what predict states: bytes held per
 category (from the tensors), activations saved for backward, bytes sent per op (the CommLog), and
 the time per step. Launched by `mlsys train` through torchrun (train/worker.py).
+
+With --tp / --pp / --cp > 1 the same loop runs `parallel.mesh.composed_step` on a device mesh
+(DP × PP × CP × TP; `train_on_mesh`) and measures the bytes each dimension sends and, under PP, the
+bubble of the executed timeline, for `verify.training.compare_mesh_training`. Not done yet: ZeRO,
+bf16, offload and checkpoints inside the mesh, and EP (the catalog's models are dense; EP runs on
+its own in parallel/expert.py) — each is rejected before launch.
 """
 
 import statistics
@@ -23,12 +29,16 @@ from mlsyslab.errors import InvalidValue
 from mlsyslab.measure.memory import ActivationMeter, model_state_bytes, plain_model_state_tensors
 from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.parallel.ddp import DataParallel
+from mlsyslab.parallel.mesh import MeshLayout, build_mesh, composed_step, prepare
+from mlsyslab.parallel.pipeline import executed_bubble
+from mlsyslab.parallel.schedules import build as build_schedule
 from mlsyslab.parallel.zero import ZeroDataParallel
 from mlsyslab.specs.schema import Model
 from mlsyslab.train import checkpoint
 from mlsyslab.train.data import TokenBatches
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+MESH_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # flushed: PipeDream updates per microbatch, not per step
 
 
 @dataclass
@@ -48,33 +58,82 @@ class TrainConfig:
     checkpoint_every: int = 0  # 0: only at the end (when checkpoint_dir is set)
     resume: bool = False
     bucket_bytes: int = 25_000_000
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp: int | None = None  # None: nproc / (tp · pp · cp)
+    schedule: str = "1f1b"
+    interleave: int = 1  # model chunks per pipeline rank (interleaved 1F1B)
+
+    @property
+    def on_mesh(self) -> bool:
+        return self.tp * self.pp * self.cp * self.ep > 1
+
+    @property
+    def data_parallel(self) -> int:
+        return self.dp if self.dp is not None else max(1, self.nproc // (self.tp * self.pp * self.cp))
 
     def validate(self) -> None:
         """Every rule, checked before any process starts."""
         if self.strategy not in STRATEGIES:
             raise InvalidValue("strategy", self.strategy, ", ".join(STRATEGIES))
+        for name in ("tp", "pp", "cp", "ep", "interleave"):
+            if getattr(self, name) < 1:
+                raise InvalidValue(name, getattr(self, name), "an integer >= 1")
+        if self.dp is not None and self.dp < 1:
+            raise InvalidValue("dp", self.dp, "an integer >= 1")
+        if self.on_mesh:
+            self._validate_mesh()
+        elif self.dp is not None and self.dp != self.nproc:
+            raise InvalidValue("dp", self.dp, f"nproc={self.nproc} when tp, pp and cp are 1")
         if self.offload and not self.strategy.startswith("zero"):
             raise InvalidValue("offload", True, "with --strategy zero1, zero2 or zero3 (ZeRO-Offload)")
         for name in ("nproc", "steps", "seq", "global_batch", "micro_batch"):
             if getattr(self, name) < 1:
                 raise InvalidValue(name, getattr(self, name), "an integer >= 1")
-        if self.nproc > self.global_batch:
-            raise InvalidValue("nproc", self.nproc, f"<= the global batch of {self.global_batch} sequences")
-        if self.global_batch % self.nproc:
-            raise InvalidValue("global_batch", self.global_batch, f"a multiple of nproc={self.nproc}")
-        if (self.global_batch // self.nproc) % self.micro_batch:
+        dp = self.data_parallel
+        if dp > self.global_batch:
+            raise InvalidValue("nproc" if not self.on_mesh else "dp", dp, f"<= the global batch of {self.global_batch} sequences")
+        if self.global_batch % dp:
+            raise InvalidValue("global_batch", self.global_batch, f"a multiple of the data-parallel size {dp}")
+        if (self.global_batch // dp) % self.micro_batch:
             raise InvalidValue("micro_batch", self.micro_batch,
-                               f"a divisor of the {self.global_batch // self.nproc} sequences per rank")
+                               f"a divisor of the {self.global_batch // dp} sequences per data-parallel rank")
         if self.resume and not self.checkpoint_dir:
             raise InvalidValue("resume", True, "with a checkpoint directory")
         spec = Model(**self.model)
         if self.seq > spec.max_seq:
             raise InvalidValue("seq", self.seq, f"<= the {spec.max_seq}-token context of {spec.name}")
-        LlamaConfig.from_spec(spec)  # raises for an architecture nn/ does not build
+        model = LlamaConfig.from_spec(spec)  # raises for an architecture nn/ does not build
+        if self.on_mesh:
+            MeshLayout(dp, self.pp, self.cp, self.tp).validate(model, self.nproc, self.seq, self.microbatches)
+            if self.pp > 1:
+                if model.layers % (self.pp * self.interleave):
+                    raise InvalidValue("interleave", self.interleave,
+                                       f"pp·interleave dividing the {model.layers} layers (pp={self.pp})")
+                build_schedule(self.schedule, self.pp, self.microbatches, self.interleave)
+
+    def _validate_mesh(self) -> None:
+        """What the mesh trainer does not do yet, named before launch."""
+        if self.ep > 1:
+            raise InvalidValue("ep", self.ep, "1: the catalog's models are dense (no expert layers); expert "
+                                              "parallelism runs on its own (parallel/expert.py), not yet in the mesh")
+        if self.strategy != "ddp":
+            raise InvalidValue("strategy", self.strategy, "ddp when tp, pp or cp > 1 (ZeRO inside the mesh is not built yet)")
+        for name in ("bf16", "offload", "resume"):
+            if getattr(self, name):
+                raise InvalidValue(name, True, "off when tp, pp or cp > 1 (not built inside the mesh yet)")
+        if self.checkpoint_dir:
+            raise InvalidValue("checkpoint_dir", self.checkpoint_dir, "none when tp, pp or cp > 1 (not built inside the mesh yet)")
+        if self.schedule not in MESH_SCHEDULES:
+            raise InvalidValue("schedule", self.schedule, ", ".join(MESH_SCHEDULES))
+        if self.interleave > 1 and self.schedule != "interleaved":
+            raise InvalidValue("interleave", self.interleave, "1 unless --schedule interleaved")
 
     @property
     def microbatches(self) -> int:
-        return self.global_batch // self.nproc // self.micro_batch
+        return self.global_batch // self.data_parallel // self.micro_batch
 
 
 @dataclass
@@ -87,8 +146,9 @@ class TrainResult:
     held_bytes: dict = field(default_factory=dict)  # rank 0, by category
     held_bytes_max: dict = field(default_factory=dict)  # the largest over ranks
     activation_bytes: int = 0  # saved for backward by one microbatch on rank 0
-    wire_bytes_per_step: dict = field(default_factory=dict)  # rank 0, by op
+    wire_bytes_per_step: dict = field(default_factory=dict)  # rank 0, by op (on a mesh: by dimension)
     tokens_per_s: float = 0.0
+    bubble: float | None = None  # on a mesh with pp > 1: median executed bubble (steps after the first)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -102,6 +162,8 @@ def build_model(config: TrainConfig, dtype: torch.dtype) -> Llama:
 
 def train(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progress=None) -> TrainResult:
     """Run on every rank; returns the measurements (meaningful on every rank, reported from rank 0)."""
+    if config.on_mesh:
+        return train_on_mesh(rank, config, tokens, progress)
     torch.manual_seed(config.seed)
     log = CommLog()
     model = build_model(config, torch.float32)
@@ -163,6 +225,39 @@ def train(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progress=None) 
         result.held_bytes_max = {k: max(d[k] for d in everyone) for k in held}
         steady = result.step_s[1:] or result.step_s
         result.tokens_per_s = config.global_batch * config.seq / statistics.median(steady)
+    return result
+
+
+def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progress=None) -> TrainResult:
+    """The loop above on a DP × PP × CP × TP mesh: every rank reads the global batch and
+    `composed_step` takes its share; AdamW steps on the parameters this rank holds."""
+    torch.manual_seed(config.seed)
+    logs = {dimension: CommLog() for dimension in ("tensor_parallel", "pipeline_p2p", "context_parallel", "data_parallel")}
+    model = build_model(config, torch.float32)
+    mesh = build_mesh(rank, MeshLayout(config.data_parallel, config.pp, config.cp, config.tp))
+    model, pipeline = prepare(model, mesh, config.microbatches, config.schedule, config.interleave, logs)
+    held = list(pipeline.chunks.parameters() if pipeline is not None else model.parameters())
+    optimizer = torch.optim.AdamW(held, lr=config.lr, weight_decay=0.1, foreach=False)
+    data = TokenBatches(tokens, config.seq, config.global_batch, config.seed)
+    result = TrainResult(parameters=sum(p.numel() for p in held), padded_parameters=sum(p.numel() for p in held))
+    bubbles = []
+    for step in range(config.steps):
+        began = time.perf_counter()
+        inputs, targets = data.step(step, 0, 1)  # the global batch: composed_step shards it
+        loss = composed_step(model, mesh, inputs, targets, config.microbatches, pipeline, logs)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        result.step_s.append(time.perf_counter() - began)
+        result.losses.append(loss)
+        if pipeline is not None:
+            spans = [None] * config.pp
+            dist.all_gather_object(spans, pipeline.last_spans, group=mesh.pp.group)
+            bubbles.append(executed_bubble(spans))
+        if progress is not None:
+            progress(step + 1, loss, config.global_batch * config.seq / result.step_s[-1])
+    result.wire_bytes_per_step = {name: sum(log.bytes_sent.values()) / config.steps for name, log in logs.items()}
+    result.bubble = statistics.median(bubbles[1:] or bubbles) if bubbles else None
+    result.tokens_per_s = config.global_batch * config.seq / statistics.median(result.step_s[1:] or result.step_s)
     return result
 
 

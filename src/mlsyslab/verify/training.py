@@ -72,3 +72,51 @@ def _ratio(measured, predicted):
     if measured is None or predicted in (None, 0.0):
         return None
     return float(measured) / predicted
+
+
+def compare_mesh_training(config, result: dict, hardware: Hardware | None = None,
+                          assumptions: Assumptions = DEFAULT) -> dict:
+    """A --tp/--pp/--cp run beside predict.training on the same layout: bytes each dimension sends per
+    step on rank 0, the pipeline bubble (analytic vs executed timeline), and the step time when
+    `hardware` is given. Bytes and bubble do not depend on the hardware: without one they are taken
+    from an fp32 prediction on a catalog system (DGX-H100), whose times are not shown."""
+    from mlsyslab.specs import catalog
+
+    spec = Model(**config.model)
+    layout = Layout.of(dp=config.data_parallel, tp=config.tp, pp=config.pp, cp=config.cp, micro_batch=config.micro_batch,
+                       global_batch=config.global_batch, seq=config.seq, schedule=config.schedule,
+                       interleave=config.interleave)
+    carrier = hardware if hardware is not None else Hardware.of(*catalog.hardware("dgx-h100"), "fp32")
+    prediction = predict_training(spec, carrier, layout, assumptions=assumptions.override({"gradient_reduce_bytes": 4}))
+    wire = {name: float(np.asarray(value).reshape(-1)[0]) for name, value in prediction.wire_bytes.items()
+            if name != "expert_parallel"}
+    wire["tensor_parallel"] += vocab_parallel_bytes(config, spec) if config.pp == 1 else \
+        vocab_parallel_bytes(config, spec, head=False)  # rank 0 is the first pipeline stage
+    v = config.interleave
+    wire["pipeline_p2p"] *= (2 * v - 1) / (2 * v)  # the first stage sends no gradient back from virtual stage 0
+    if config.pp > 1 and spec.tied_embeddings:  # the tied embedding's gradient, summed over the pipeline
+        wire["pipeline_p2p"] += float(ring_all_reduce_bytes_per_rank(spec.vocab / config.tp * spec.hidden * 4, config.pp))
+    if config.cp > 1:  # every rank holds all the weights: their gradients are summed over the CP group
+        wire["context_parallel"] += float(ring_all_reduce_bytes_per_rank(result["parameters"] * 4, config.cp))
+    measured_step = float(np.median(result["step_s"][1:] or result["step_s"])) if result["step_s"] else None
+    report = {
+        "wire_bytes_per_step": {name: _pair(wire[name], result["wire_bytes_per_step"].get(name, 0.0)) for name in wire},
+        "bubble": _pair(float(np.asarray(prediction.bubble_fraction).reshape(-1)[0]) if config.pp > 1 else None,
+                        result.get("bubble")),
+        "step_s": _pair(None, measured_step),
+    }
+    if hardware is not None:
+        report["step_s"] = _pair(float(prediction.step_s.reshape(-1)[0]), measured_step)
+    return report
+
+
+def vocab_parallel_bytes(config, spec: Model, head: bool = True) -> float:
+    """TP bytes per step outside the decoder layers, which predict.training (4 per layer) leaves out:
+    the vocabulary-parallel embedding's all-reduce of b·s·h forward, and on the stage with the head,
+    its input-gradient all-reduce of b·s·h backward and the loss's three all-reduces of b·s fp32
+    (maximum, sum of exponentials, target logit) — per microbatch, ring volumes."""
+    if config.tp == 1:
+        return 0.0
+    tokens = config.micro_batch * config.seq / config.cp
+    per_microbatch = tokens * spec.hidden * 4 + (tokens * spec.hidden * 4 + 3 * tokens * 4 if head else 0.0)
+    return config.microbatches * float(ring_all_reduce_bytes_per_rank(per_microbatch, config.tp))
