@@ -1,0 +1,132 @@
+"""Tensor parallelism on this machine: our Megatron-style TP beside torch's DTensor TP, same model, same run.
+
+    python benchmarks/tensor.py             # ~1 min on 2 cores; writes benchmarks/results/tensor.json
+
+TP = 2 spawned ranks (gloo, one thread each), two 4-layer Llamas in fp32 — "small" (hidden 256,
+8 heads / 4 KV heads of 32, FFN 768, vocab 1024, batch 4 x 128 tokens: per-op overhead shows) and
+"medium" (hidden 512, heads of 64, FFN 1536, vocab 2048, batch 4 x 256: the matmuls dominate) —
+one training step = forward, loss, backward:
+- ours: `parallel.tensor.parallelize_llama` (column/row-parallel linears with the conjugate f/g
+  functions, vocabulary-parallel embedding and cross-entropy);
+- torch: `torch.distributed.tensor.parallel.parallelize_module` with the plan torchtitan uses for
+  Llama — `ColwiseParallel` for q/k/v and gate/up, `RowwiseParallel` for o and down, the embedding
+  `RowwiseParallel(input_layouts=Replicate())`, the head `ColwiseParallel(output_layouts=Shard(-1))`
+  and the loss under `loss_parallel()`; attention's head counts divided by TP as in torch's tutorial.
+Both start from the same weights; their first losses must agree (printed). The time is the slowest
+rank's, median (best) of 10 steps after 3 warm-ups, alternating ours and torch's step by step.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from record import ROOT, OtherProcesses, machine, save  # benchmarks/record.py
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+
+from mlsyslab.comm.launch import spawn
+from mlsyslab.nn.llama import Llama, LlamaConfig
+from mlsyslab.parallel.tensor import TensorGroup, parallelize_llama, vocab_parallel_cross_entropy
+
+RESULTS = ROOT / "benchmarks" / "results" / "tensor.json"
+CONFIGS = {  # name: (model, sequences, tokens each)
+    "small": (LlamaConfig(vocab=1024, hidden=256, layers=4, heads=8, kv_heads=4, head_dim=32, ffn_hidden=768,
+                          tied_embeddings=False, max_seq=128), 4, 128),
+    "medium": (LlamaConfig(vocab=2048, hidden=512, layers=4, heads=8, kv_heads=4, head_dim=64, ffn_hidden=1536,
+                           tied_embeddings=False, max_seq=256), 4, 256),
+}
+
+
+def dtensor_llama(model: Llama, tp: int) -> Llama:
+    mesh = init_device_mesh("cpu", (tp,))
+    for layer in model.layers:
+        parallelize_module(layer, mesh, {
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+        layer.self_attn.heads //= tp
+        layer.self_attn.kv_heads //= tp
+    parallelize_module(model, mesh, {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+    return model
+
+
+def run_rank(rank, warmups: int, steps: int):
+    return {name: run_config(rank, config, batch, seq, warmups, steps) for name, (config, batch, seq) in CONFIGS.items()}
+
+
+def run_config(rank, config: LlamaConfig, batch: int, seq: int, warmups: int, steps: int) -> dict:
+    ids = torch.randint(0, config.vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    fresh = lambda: Llama(config).initialize(generator=torch.Generator().manual_seed(0))  # noqa: E731
+    ours = parallelize_llama(fresh(), TensorGroup(rank))
+    theirs = dtensor_llama(fresh(), rank.world_size)
+    group = TensorGroup(rank)
+
+    def ours_step():
+        loss = vocab_parallel_cross_entropy(ours(inputs), targets, group)
+        loss.backward()
+        ours.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def theirs_step():
+        with loss_parallel():
+            logits = theirs(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            loss.backward()
+        theirs.zero_grad(set_to_none=True)
+        return loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item()
+
+    times, first = {"ours": [], "torch": []}, {}
+    for step in range(warmups + steps):
+        for who, run in (("ours", ours_step), ("torch", theirs_step)):
+            dist.barrier()
+            began = time.perf_counter()
+            loss = run()
+            elapsed = time.perf_counter() - began
+            first.setdefault(who, loss)
+            if step >= warmups:
+                times[who].append(elapsed)
+    return {"times": times, "first_loss": first}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmups", type=int, default=3)
+    parser.add_argument("--output", default=RESULTS)
+    args = parser.parse_args()
+    out = {**machine(torch=torch.__version__), "workload": vars(args) | {"output": str(args.output)}}
+    others = OtherProcesses()
+    ranks = spawn(run_rank, 2, args.warmups, args.steps, timeout_s=1800)
+    share, out["rows"] = others.share(), []
+    for name, (_, batch, seq) in CONFIGS.items():
+        slowest = {who: [max(r[name]["times"][who][i] for r in ranks) for i in range(args.steps)]
+                   for who in ("ours", "torch")}
+        out["rows"].append({
+            "model": name, "batch": batch, "seq": seq, "tp": 2,
+            "ours_median_s": statistics.median(slowest["ours"]), "ours_best_s": min(slowest["ours"]),
+            "torch_median_s": statistics.median(slowest["torch"]), "torch_best_s": min(slowest["torch"]),
+            "speedup_median": statistics.median(slowest["torch"]) / statistics.median(slowest["ours"]),
+            "first_loss_ours": ranks[0][name]["first_loss"]["ours"], "first_loss_torch": ranks[0][name]["first_loss"]["torch"],
+            "others_cpu_share": share})
+    save(out, args.output, print_table)
+
+
+def print_table(out: dict) -> None:
+    print(f"# tensor parallel, {out['date_utc']}, TP=2")
+    print("| model | ours median (best) | DTensor median (best) | DTensor / ours | first loss ours / DTensor |")
+    print("|---|---:|---:|---:|---|")
+    for r in out["rows"]:
+        print(f"| {r['model']}, {r['batch']} x {r['seq']} | {r['ours_median_s'] * 1e3:.1f} ms ({r['ours_best_s'] * 1e3:.1f}) | "
+              f"{r['torch_median_s'] * 1e3:.1f} ms ({r['torch_best_s'] * 1e3:.1f}) | {r['speedup_median']:.2f}x | "
+              f"{r['first_loss_ours']:.6f} / {r['first_loss_torch']:.6f} |")
+
+
+if __name__ == "__main__":
+    main()
