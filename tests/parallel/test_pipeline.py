@@ -12,13 +12,7 @@ from mlsyslab.comm.launch import spawn
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.parallel.pipeline import PipelineRank, StageChunk, split
-from mlsyslab.parallel.schedules import (
-    build,
-    chrome_trace,
-    render_png,
-    timeline,
-    weight_versions,
-)
+from mlsyslab.parallel.schedules import build, chrome_trace, render_png, timeline, weight_versions
 from mlsyslab.predict.pipeline import pipeline_bubble_fraction
 
 CONFIG = LlamaConfig(vocab=64, hidden=32, layers=8, heads=4, kv_heads=2, head_dim=8, ffn_hidden=48, tied_embeddings=False,

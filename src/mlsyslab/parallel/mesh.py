@@ -28,11 +28,7 @@ from mlsyslab.nn.llama import Llama
 from mlsyslab.parallel.context import ring_attention, zigzag_indices
 from mlsyslab.parallel.pipeline import PipelineRank, mean_cross_entropy
 from mlsyslab.parallel.schedules import build
-from mlsyslab.parallel.tensor import (
-    TensorGroup,
-    parallelize_llama,
-    vocab_parallel_cross_entropy,
-)
+from mlsyslab.parallel.tensor import TensorGroup, parallelize_llama, vocab_parallel_cross_entropy
 
 DIMENSIONS = ("pp", "dp", "cp", "tp")
 

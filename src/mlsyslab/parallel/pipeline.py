@@ -29,12 +29,7 @@ from mlsyslab.comm.launch import Rank
 from mlsyslab.comm.log import CommLog
 from mlsyslab.comm.p2p import Wire
 from mlsyslab.errors import InvalidValue
-from mlsyslab.nn.llama import (
-    Llama,
-    causal_attention,
-    rope_cos_sin,
-    rope_inverse_frequencies,
-)
+from mlsyslab.nn.llama import Llama, causal_attention, rope_cos_sin, rope_inverse_frequencies
 from mlsyslab.parallel.schedules import Schedule
 from mlsyslab.parallel.weight_stash import WeightStash
 
