@@ -10,7 +10,7 @@ from mlsyslab.comm.launch import spawn
 from mlsyslab.comm.log import CommLog
 from mlsyslab.comm.p2p import Wire
 from mlsyslab.nn.llama import Llama, LlamaConfig, causal_attention
-from mlsyslab.parallel.context import ring_attention, zigzag_indices
+from mlsyslab.parallel.context import ring_attention, zigzag_indices, zigzag_layout
 
 B, T, HEADS, KV_HEADS, D = 2, 16, 4, 2, 8
 
@@ -32,7 +32,7 @@ def _ring(rank):
     mine = zigzag_indices(T, rank.world_size, rank.rank)
     local = [t[:, mine].clone().requires_grad_() for t in (q, k, v)]
     log = CommLog()
-    out = ring_attention(Wire(rank, log), *local, mine)
+    out = ring_attention(Wire(rank, log), *local, zigzag_layout(T, rank.world_size))
     out.backward(grad[:, mine])
     errors = {"out": (out - reference[:, mine]).abs().max().item()}
     for name, ours, theirs in zip("qkv", local, full):
@@ -46,9 +46,8 @@ def test_ring_attention_equals_full_causal_attention(world):
     for errors, _ in results:
         assert max(errors.values()) < 1e-10, errors
     local_kv = 2 * B * (T // world) * KV_HEADS * D * 8  # a K and a V block, float64
-    positions = (T // world) * 8  # the block's global positions travel with it (int64)
-    forward = (world - 1) * (local_kv + positions)  # c − 1 hops
-    backward = world * (2 * local_kv + positions)  # K, V and their gradient accumulators, c hops (home)
+    forward = (world - 1) * local_kv  # c − 1 hops
+    backward = (world - 1) * 2 * local_kv + local_kv  # K, V and their gradient accumulators, then the accumulators home
     assert results[0][1] == forward + backward
 
 
@@ -63,7 +62,7 @@ def _llama(rank):
     mine = zigzag_indices(16, rank.world_size, rank.rank)
     wire = Wire(rank)
     ours = copy.deepcopy(model)
-    hidden = ours.hidden_states(ids[:, mine], mine.expand(2, -1), lambda layer, q, k, v: ring_attention(wire, q, k, v, mine))
+    hidden = ours.hidden_states(ids[:, mine], mine.expand(2, -1), lambda layer, q, k, v: ring_attention(wire, q, k, v, zigzag_layout(16, rank.world_size)))
     logits = ours.lm_head(hidden)
     return (logits - reference[:, mine]).abs().max().item()
 

@@ -7,11 +7,13 @@ with the online-softmax accumulator (Milakov & Gimelshein 2018): with running lo
 output o, a block with log-sum-exp ℓ_b and output o_b gives ℓ' = log(e^ℓ + e^ℓ_b),
 o' = o·e^(ℓ−ℓ') + o_b·e^(ℓ_b−ℓ'). The backward pass rotates K, V and their gradient accumulators once
 more around the ring, recomputing each block's probabilities from the saved ℓ (as FlashAttention
-does), so dK and dV arrive home after c steps. Each step's transfer is posted before the block's
-compute, so it can overlap it.
-Bytes per rank per layer: forward (c−1)·2·(s/c)·kv_width·bytes; backward twice that plus the final
-hop home. Twin: predict.training (context-parallel term). Held against full attention in
-tests/parallel/test_context.py.
+does); after c − 1 hops every rank has seen every block, and one last hop of the accumulators alone
+brings dK and dV home. Each forward step's transfer is posted before the block's compute, so it can
+overlap it. Every rank is given every rank's token positions (the layout is known to all), so only
+K, V and their gradients travel.
+Bytes per rank per layer, with a K + V block of B = 2·(s/c)·kv_width·bytes: forward (c−1)·B;
+backward (c−1)·2B + B. Twin: predict.training (context-parallel term). Held against full attention
+in tests/parallel/test_context.py (output, gradients and those bytes).
 """
 
 import math
@@ -31,8 +33,13 @@ def zigzag_indices(sequence: int, ranks: int, rank: int) -> torch.Tensor:
 
 def ring_attention(wire: Wire, q, k, v, positions: torch.Tensor):
     """Causal attention of local queries over every rank's keys; q [b, t, heads, d], k/v [b, t, kv_heads, d],
-    `positions` [t] the global positions of the local tokens (the same on every rank's own K/V)."""
+    `positions` [c, t] the global positions of every rank's tokens (row r: rank r's; `zigzag_layout`)."""
     return _RingAttention.apply(q, k, v, positions, wire)
+
+
+def zigzag_layout(sequence: int, ranks: int) -> torch.Tensor:
+    """[ranks, sequence / ranks]: row r is `zigzag_indices(sequence, ranks, r)`."""
+    return torch.stack([zigzag_indices(sequence, ranks, rank) for rank in range(ranks)])
 
 
 class _RingAttention(torch.autograd.Function):
@@ -42,14 +49,14 @@ class _RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.shape[-1])
         out = torch.zeros(q.shape, dtype=_precision(q))
         lse = torch.full(q.shape[:-1], -math.inf, dtype=_precision(q))  # [b, t, heads]
-        block = (k.contiguous(), v.contiguous(), positions.clone())
+        block = (k.contiguous(), v.contiguous())
         for step in range(n):
             pending = None
             if step < n - 1:
                 incoming = tuple(torch.empty_like(t) for t in block)
                 pending = wire.exchange([(t, (me + 1) % n) for t in block], [(t, (me - 1) % n) for t in incoming], "ring attention K/V")
-            block_k, block_v, block_positions = block
-            block_out, block_lse = _attend_block(q, block_k, block_v, positions, block_positions, scale)
+            block_k, block_v = block
+            block_out, block_lse = _attend_block(q, block_k, block_v, positions[me], positions[(me - step) % n], scale)
             new_lse = torch.logaddexp(lse, block_lse)
             out = out * torch.exp(lse - new_lse).nan_to_num(0.0)[..., None] + block_out * torch.exp(block_lse - new_lse).nan_to_num(0.0)[..., None]
             lse = new_lse
@@ -68,18 +75,19 @@ class _RingAttention(torch.autograd.Function):
         grad_out = grad_out.to(_precision(q))
         delta = (grad_out * out).sum(-1)  # D = rowsum(dO ∘ O), [b, t, heads]
         grad_q = torch.zeros_like(q, dtype=_precision(q))
-        block = (k.contiguous(), v.contiguous(), positions.clone(), torch.zeros_like(k, dtype=_precision(q)),
+        block = (k.contiguous(), v.contiguous(), torch.zeros_like(k, dtype=_precision(q)),
                  torch.zeros_like(v, dtype=_precision(q)))
         for step in range(n):
-            bk, bv, bpos, bdk, bdv = block
-            dq, dk, dv = _attend_block_backward(q, bk, bv, positions, bpos, lse, grad_out, delta, scale)
+            bk, bv, bdk, bdv = block
+            dq, dk, dv = _attend_block_backward(q, bk, bv, positions[me], positions[(me - step) % n], lse, grad_out,
+                                                delta, scale)
             grad_q += dq
-            block = (bk, bv, bpos, bdk + dk, bdv + dv)
+            block = (bk, bv, bdk + dk, bdv + dv) if step < n - 1 else (bdk + dk, bdv + dv)  # the last hop: home
             incoming = tuple(torch.empty_like(t) for t in block)
             wire.exchange([(t, (me + 1) % n) for t in block], [(t, (me - 1) % n) for t in incoming],
                           "ring attention backward").wait()
             block = incoming  # after n hops every accumulator is back with its owner
-        _, _, _, grad_k, grad_v = block
+        grad_k, grad_v = block
         return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
 
 

@@ -25,7 +25,7 @@ from mlsyslab.comm.log import CommLog, nbytes, traced
 from mlsyslab.comm.p2p import Wire
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama
-from mlsyslab.parallel.context import ring_attention, zigzag_indices
+from mlsyslab.parallel.context import ring_attention, zigzag_layout
 from mlsyslab.parallel.pipeline import PipelineRank, mean_cross_entropy
 from mlsyslab.parallel.schedules import build
 from mlsyslab.parallel.tensor import TensorGroup, parallelize_llama, vocab_parallel_cross_entropy
@@ -95,10 +95,11 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
         if model.config.tied_embeddings:
             _sum_tied_embedding_gradient(model, mesh.pp, (logs or {}).get("pipeline_p2p"))
     elif layout.cp > 1:
-        positions = zigzag_indices(inputs.shape[1], layout.cp, mesh.cp.rank)
+        everyone = zigzag_layout(inputs.shape[1], layout.cp)
+        positions = everyone[mesh.cp.rank]
         wire = Wire(mesh.cp, (logs or {}).get("context_parallel"))
         hidden = model.hidden_states(rows[0][:, positions], positions.expand(rows[0].shape[0], -1),
-                                     lambda layer, q, k, v: ring_attention(wire, q, k, v, positions))
+                                     lambda layer, q, k, v: ring_attention(wire, q, k, v, everyone))
         logits = model.lm_head(hidden)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         local = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[1][:, positions].reshape(-1),

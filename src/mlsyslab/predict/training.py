@@ -109,11 +109,13 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     ep_time = ep_count * coll.hierarchical_shard_s(a2a_bytes, e, np.minimum(e, ep_local), **link)
     ep_bytes = ep_count * coll.ring_shard_bytes_per_rank(a2a_bytes, e)
 
-    # Context parallel: K/V blocks circulate the ring; forward once, backward twice.
+    # Context parallel: K/V blocks circulate the ring.
     kv_width = 2 * model.num_kv_heads * model.attention_head_dim if model.mla is None else d_qk + d_v
     kv_block = tokens * kv_width * width / t
     cp_bw = np.where(t * c <= hw.scale_up_domain, up_bw, out_bw)
-    cp_steps = (c - 1) * layers * (3 + full)
+    # forward (c−1) hops of K+V (again under full recompute); backward (c−1) hops of K+V with their
+    # gradient accumulators (2 blocks), then one hop bringing the accumulators home (parallel/context.py)
+    cp_steps = np.where(c > 1, ((c - 1) * (3 + full) + 1) * layers, 0.0)
     cp_transfer = cp_steps * coll.point_to_point_s(kv_block, cp_bw, a.scale_up_latency_s)
     attention_time = (passes * attention_fwd) / peak
     cp_time = np.where(c > 1, np.maximum(0.0, cp_transfer - a.context_parallel_overlap * attention_time), 0.0)
