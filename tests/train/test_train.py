@@ -48,7 +48,7 @@ def mlsys(*args, **kwargs):
     (["--tp", "2", "--nproc", "4", "--dp", "1"], "layout"),
     (["--pp", "2", "--global-batch", "2"], "microbatches"),  # fewer microbatches than stages
     (["--ep", "2"], "ep"),
-    (["--tp", "2", "--strategy", "zero2"], "strategy"),
+    (["--tp", "2", "--strategy", "zero2"], "strategy"),  # ZeRO-1 only inside the mesh
     (["--pp", "2", "--schedule", "pipedream"], "schedule"),
     (["--pp", "2", "--interleave", "2"], "interleave"),
     (["--pp", "2", "--microbatches", "3"], "microbatches"),
@@ -142,3 +142,15 @@ def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny):
             assert bubble["predicted"] == pytest.approx(1 / 5) and 0 < bubble["measured"] < 1
         if "--cp" in args:  # K/V around the ring and the weights' gradients summed over the CP group
             assert wire["context_parallel"]["measured"] == pytest.approx(wire["context_parallel"]["predicted"])
+
+
+def test_zero1_along_data_parallel_inside_the_mesh(tiny):
+    """DP2 × TP2 on 4 ranks with ZeRO-1 along DP: one process's losses, and the DP bytes predict states
+    (gradients reduce-scattered once per step, the updated weights all-gathered)."""
+    reference = _train_json(tiny, "--nproc", "1", "--steps", "3")["result"]["losses"]
+    report = _train_json(tiny, "--nproc", "4", "--tp", "2", "--dp", "2", "--strategy", "zero1", "--steps", "3")
+    assert report["result"]["losses"] == pytest.approx(reference, rel=1e-5)
+    wire = report["predicted_vs_measured"]["wire_bytes_per_step"]
+    for dimension in ("tensor_parallel", "data_parallel"):
+        assert wire[dimension]["predicted"] > 0
+        assert wire[dimension]["measured"] == pytest.approx(wire[dimension]["predicted"])

@@ -31,7 +31,7 @@ class DataParallel(nn.Module):
         params = [p for p in module.parameters() if p.requires_grad]
         with torch.no_grad():  # every rank starts from rank 0's weights
             for tensor in [*module.parameters(), *module.buffers()]:
-                traced(log, "broadcast", nbytes(tensor), rank.world_size, dist.broadcast, tensor, 0, group=rank.group)
+                traced(log, "broadcast", nbytes(tensor), rank.world_size, dist.broadcast, tensor, group=rank.group, group_src=0)
         self.buckets = bucket_parameters(params[::-1], bucket_bytes)
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self._ready = [0] * len(self.buckets)

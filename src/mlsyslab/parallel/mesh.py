@@ -10,7 +10,8 @@ sequence with ring attention (its gradients summed over the CP group), and DP av
 Held against the single-process model in tests/parallel/test_mesh.py (DP2 × PP2 × TP2 on 8 ranks,
 DP2 × CP2 on 4). `mlsys train --tp/--pp/--cp/--dp` runs it (train.trainer.train_on_mesh); given
 `logs` (a CommLog per dimension), every byte each dimension sends is counted there. Not done: EP
-inside the mesh (parallel/expert.py works on its own group), ZeRO along DP.
+inside the mesh (parallel/expert.py works on its own group); ZeRO along DP is stage 1 only (the
+trainer wraps the rank's parameters in parallel.zero and reduces after the step).
 """
 
 from dataclasses import dataclass, replace
@@ -80,11 +81,13 @@ def build_mesh(rank: Rank, layout: MeshLayout) -> MeshRanks:
 
 
 def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
-                  pipeline: PipelineRank | None = None, logs: dict | None = None) -> float:
+                  pipeline: PipelineRank | None = None, logs: dict | None = None,
+                  reduce_data_parallel: bool = True) -> float:
     """Forward and backward of this rank's share of a global batch; returns the global mean loss.
 
     `inputs`/`targets` are the global batch [B, s]; DP takes rows, CP takes zig-zag columns, PP splits
-    the DP share into `microbatches`. Gradients end averaged over DP (and summed over CP) on every rank.
+    the DP share into `microbatches`. Gradients end summed over CP and, unless `reduce_data_parallel`
+    is False (ZeRO reduces them itself), averaged over DP on every rank.
     """
     layout = mesh.layout
     rows = inputs.chunk(layout.dp)[mesh.dp.rank], targets.chunk(layout.dp)[mesh.dp.rank]
@@ -115,7 +118,8 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
             mean_cross_entropy(logits, rows[1])
         loss.backward()
         loss = loss.detach()
-    _all_reduce_gradients(model, mesh.dp, average=True, log=(logs or {}).get("data_parallel"))
+    if reduce_data_parallel:
+        _all_reduce_gradients(model, mesh.dp, average=True, log=(logs or {}).get("data_parallel"))
     dist.all_reduce(loss, group=mesh.dp.group)
     return loss.item() / layout.dp
 
@@ -151,6 +155,6 @@ def _sum_tied_embedding_gradient(model: Llama, pp: Rank, log: CommLog | None) ->
     held twice, so their gradients are summed over the pipeline group (Megatron's embedding group;
     stages in between add zeros) and both copies take the same step."""
     weight = model.embed_tokens.weight
-    grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
-    traced(log, "all_reduce", nbytes(grad), pp.world_size, dist.all_reduce, grad, group=pp.group)
-    weight.grad = grad
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    traced(log, "all_reduce", nbytes(weight.grad), pp.world_size, dist.all_reduce, weight.grad, group=pp.group)

@@ -47,9 +47,9 @@ class ZeroDataParallel(nn.Module):
         self.offload_device = torch.device("cpu") if offload else rank.device
         self.offload = offload
         n = rank.world_size
-        with torch.no_grad():  # every rank starts from rank 0's weights
+        with torch.no_grad():  # every rank starts from the group's first rank's weights
             for tensor in [*module.parameters(), *module.buffers()]:
-                traced(log, "broadcast", nbytes(tensor), n, dist.broadcast, tensor, 0, group=rank.group)
+                traced(log, "broadcast", nbytes(tensor), n, dist.broadcast, tensor, group=rank.group, group_src=0)
         if stage == 3:
             from mlsyslab.parallel.zero3 import PartitionedParameters
 
@@ -82,6 +82,15 @@ class ZeroDataParallel(nn.Module):
             yield
         finally:
             self._sync = True
+
+    def reduce_gradients(self) -> None:
+        """Stage 1: reduce-scatter what accumulated under `no_sync` now — for callers whose backward
+        passes are not theirs to mark (a pipeline step runs them all; parallel/mesh.py)."""
+        if self.stage != 1:
+            raise InvalidValue("stage", self.stage, "1 (stages 2 and 3 reduce inside every backward)")
+        for bucket in self.buckets:
+            bucket.reduce_scatter_gradients(self.log)
+            bucket.finish_reduce()
 
     @torch.no_grad()
     def step(self) -> None:

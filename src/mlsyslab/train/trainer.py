@@ -10,9 +10,10 @@ the time per step. Launched by `mlsys train` through torchrun (train/worker.py).
 
 With --tp / --pp / --cp > 1 the same loop runs `parallel.mesh.composed_step` on a device mesh
 (DP × PP × CP × TP; `train_on_mesh`) and measures the bytes each dimension sends and, under PP, the
-bubble of the executed timeline, for `verify.training.compare_mesh_training`. Not done yet: ZeRO,
-bf16, offload and checkpoints inside the mesh, and EP (the catalog's models are dense; EP runs on
-its own in parallel/expert.py) — each is rejected before launch.
+bubble of the executed timeline, for `verify.training.compare_mesh_training`; `--strategy zero1`
+shards the optimizer state along DP. Not done yet: ZeRO-2/3, bf16, offload and checkpoints inside
+the mesh, and EP (the catalog's models are dense; EP runs on its own in parallel/expert.py) — each
+is rejected before launch.
 """
 
 import statistics
@@ -119,8 +120,9 @@ class TrainConfig:
         if self.ep > 1:
             raise InvalidValue("ep", self.ep, "1: the catalog's models are dense (no expert layers); expert "
                                               "parallelism runs on its own (parallel/expert.py), not yet in the mesh")
-        if self.strategy != "ddp":
-            raise InvalidValue("strategy", self.strategy, "ddp when tp, pp or cp > 1 (ZeRO inside the mesh is not built yet)")
+        if self.strategy not in ("ddp", "zero1"):
+            raise InvalidValue("strategy", self.strategy, "ddp or zero1 when tp, pp or cp > 1 (ZeRO-2/3 inside the mesh "
+                                                          "are not built yet)")
         for name in ("bf16", "offload", "resume"):
             if getattr(self, name):
                 raise InvalidValue(name, True, "off when tp, pp or cp > 1 (not built inside the mesh yet)")
@@ -236,17 +238,31 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
     model = build_model(config, torch.float32)
     mesh = build_mesh(rank, MeshLayout(config.data_parallel, config.pp, config.cp, config.tp))
     model, pipeline = prepare(model, mesh, config.microbatches, config.schedule, config.interleave, logs)
-    held = list(pipeline.chunks.parameters() if pipeline is not None else model.parameters())
-    optimizer = torch.optim.AdamW(held, lr=config.lr, weight_decay=0.1, foreach=False)
+    module = pipeline.chunks if pipeline is not None else model
+    held = list(module.parameters())
+    adamw = lambda params: torch.optim.AdamW(params, lr=config.lr, weight_decay=0.1, foreach=False)  # noqa: E731
+    zero = None
+    if config.strategy == "zero1":  # the optimizer state sharded over the data-parallel group
+        zero = ZeroDataParallel(module, mesh.dp, 1, adamw, bucket_bytes=config.bucket_bytes, log=logs["data_parallel"])
+        logs["data_parallel"].reset()  # its start-up broadcast is not a step's traffic
+    optimizer = zero.optimizer if zero is not None else adamw(held)
     data = TokenBatches(tokens, config.seq, config.global_batch, config.seed)
     result = TrainResult(parameters=sum(p.numel() for p in held), padded_parameters=sum(p.numel() for p in held))
     bubbles = []
     for step in range(config.steps):
         began = time.perf_counter()
         inputs, targets = data.step(step, 0, 1)  # the global batch: composed_step shards it
-        loss = composed_step(model, mesh, inputs, targets, config.microbatches, pipeline, logs)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if zero is None:
+            loss = composed_step(model, mesh, inputs, targets, config.microbatches, pipeline, logs)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            with zero.no_sync():
+                loss = composed_step(model, mesh, inputs, targets, config.microbatches, pipeline, logs,
+                                     reduce_data_parallel=False)
+            zero.reduce_gradients()
+            zero.step()
+            zero.zero_grad()
         result.step_s.append(time.perf_counter() - began)
         result.losses.append(loss)
         if pipeline is not None:

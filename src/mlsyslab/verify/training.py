@@ -83,7 +83,8 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
     from mlsyslab.specs import catalog
 
     spec = Model(**config.model)
-    layout = Layout.of(dp=config.data_parallel, tp=config.tp, pp=config.pp, cp=config.cp, micro_batch=config.micro_batch,
+    layout = Layout.of(dp=config.data_parallel, tp=config.tp, pp=config.pp, cp=config.cp, zero=1 if config.strategy == "zero1" else 0,
+                       micro_batch=config.micro_batch,
                        global_batch=config.global_batch, seq=config.seq, schedule=config.schedule,
                        interleave=config.interleave)
     carrier = hardware if hardware is not None else Hardware.of(*catalog.hardware("dgx-h100"), "fp32")
