@@ -4,7 +4,7 @@ the bubble measured from our executed timeline beside the schedule's analytic on
     python benchmarks/pipeline.py           # ~3 min on 2 cores; writes benchmarks/results/pipeline.json
 
 p = 2 spawned ranks (gloo, one thread each, one core each), m = 8 microbatches of 2 sequences x 128
-tokens, an 8-layer Llama (hidden 256, vocab 512, fp32) cut into equal stages; for GPipe, 1F1B and
+tokens, an 8-layer Llama (hidden 512, FFN 1536, vocab 512, fp32) cut into equal stages; for GPipe, 1F1B and
 interleaved 1F1B (v = 2):
 - ours: `parallel.pipeline.PipelineRank.step` (schedule as data, send/recv on our Wire);
 - torch: `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B` over `PipelineStage`s of the
@@ -34,7 +34,7 @@ from mlsyslab.parallel.pipeline import PipelineRank, StageChunk, executed_bubble
 from mlsyslab.parallel.schedules import build
 
 RESULTS = ROOT / "benchmarks" / "results" / "pipeline.json"
-CONFIG = LlamaConfig(vocab=512, hidden=256, layers=8, heads=8, kv_heads=4, head_dim=32, ffn_hidden=768,
+CONFIG = LlamaConfig(vocab=512, hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, ffn_hidden=1536,
                      tied_embeddings=False, max_seq=128)
 SCHEDULES = (("gpipe", 1, ScheduleGPipe), ("1f1b", 1, Schedule1F1B), ("interleaved", 2, ScheduleInterleaved1F1B))
 LR = 1e-3
