@@ -245,7 +245,7 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
     if config.strategy == "zero1":  # the optimizer state sharded over the data-parallel group
         zero = ZeroDataParallel(module, mesh.dp, 1, adamw, bucket_bytes=config.bucket_bytes, log=logs["data_parallel"])
         logs["data_parallel"].reset()  # its start-up broadcast is not a step's traffic
-    optimizer = zero.optimizer if zero is not None else adamw(held)
+    optimizer = adamw(held) if zero is None else None  # under ZeRO the wrapper owns the optimizer
     data = TokenBatches(tokens, config.seq, config.global_batch, config.seed)
     result = TrainResult(parameters=sum(p.numel() for p in held), padded_parameters=sum(p.numel() for p in held))
     bubbles = []
