@@ -49,7 +49,7 @@ def train_command(
 ):
     """Train the nn/ Llama on a real corpus with DDP or ZeRO, or on a DP × PP × CP × TP mesh; end with
     predicted vs measured bytes, bubble and time."""
-    from mlsyslab.train.trainer import TrainConfig, default_micro_batch
+    from mlsyslab.train.trainer import TrainConfig
     from mlsyslab.verify.training import compare_mesh_training, compare_training
 
     spec = resolve_model(model, model_spec)
@@ -58,7 +58,7 @@ def train_command(
                          checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
                          checkpoint_every=checkpoint_every, resume=resume, tp=tp, pp=pp, cp=cp, ep=ep, dp=dp,
                          schedule=schedule, interleave=interleave)
-    config.micro_batch = micro_batch or _micro_batch(config, microbatches, default_micro_batch)
+    config.micro_batch = micro_batch or _micro_batch(config, microbatches)
     config.validate()
     hw, measured = resolve_hardware(hardware, hardware_spec, "bf16" if bf16 else "fp32") if (hardware or hardware_spec) else (None, {})
     from mlsyslab.train.corpus import corpus_tokens, tokenizer_vocab
@@ -92,8 +92,10 @@ def train_command(
     _print(config, result, comparison)
 
 
-def _micro_batch(config, microbatches: int | None, default_micro_batch) -> int:
+def _micro_batch(config, microbatches: int | None) -> int:
     """Sequences per microbatch: from --microbatches when given (it must divide the data-parallel share)."""
+    from mlsyslab.train.trainer import default_micro_batch
+
     share = config.global_batch // max(1, config.data_parallel)
     if microbatches is None:
         return default_micro_batch(config.global_batch, config.data_parallel)

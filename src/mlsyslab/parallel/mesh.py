@@ -89,18 +89,18 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
     the DP share into `microbatches`. Gradients end summed over CP and, unless `reduce_data_parallel`
     is False (ZeRO reduces them itself), averaged over DP on every rank.
     """
-    layout = mesh.layout
+    layout, logs = mesh.layout, logs or {}
     rows = inputs.chunk(layout.dp)[mesh.dp.rank], targets.chunk(layout.dp)[mesh.dp.rank]
     if layout.pp > 1:
         loss = pipeline.step(*rows)[0]
         loss = torch.tensor(0.0 if loss is None else loss, dtype=torch.float64)
         dist.all_reduce(loss, group=mesh.pp.group)  # only the last stage had it
         if model.config.tied_embeddings:
-            _sum_tied_embedding_gradient(model, mesh.pp, (logs or {}).get("pipeline_p2p"))
+            _sum_tied_embedding_gradient(model, mesh.pp, logs.get("pipeline_p2p"))
     elif layout.cp > 1:
         everyone = zigzag_layout(inputs.shape[1], layout.cp)
         positions = everyone[mesh.cp.rank]
-        wire = Wire(mesh.cp, (logs or {}).get("context_parallel"))
+        wire = Wire(mesh.cp, logs.get("context_parallel"))
         hidden = model.hidden_states(rows[0][:, positions], positions.expand(rows[0].shape[0], -1),
                                      lambda layer, q, k, v: ring_attention(wire, q, k, v, everyone))
         logits = model.lm_head(hidden)
@@ -110,16 +110,15 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
         local.backward()
         loss = local.detach().clone()
         dist.all_reduce(loss, group=mesh.cp.group)
-        _all_reduce_gradients(model, mesh.cp, average=False, log=(logs or {}).get("context_parallel"))
+        _all_reduce_gradients(model, mesh.cp, average=False, log=logs.get("context_parallel"))
     else:
         logits = model(rows[0])
-        loss = vocab_parallel_cross_entropy(logits, rows[1], TensorGroup(mesh.tp, (logs or {}).get("tensor_parallel"))) \
-            if layout.tp > 1 else \
-            mean_cross_entropy(logits, rows[1])
+        loss = vocab_parallel_cross_entropy(logits, rows[1], TensorGroup(mesh.tp, logs.get("tensor_parallel"))) \
+            if layout.tp > 1 else mean_cross_entropy(logits, rows[1])
         loss.backward()
         loss = loss.detach()
     if reduce_data_parallel:
-        _all_reduce_gradients(model, mesh.dp, average=True, log=(logs or {}).get("data_parallel"))
+        _all_reduce_gradients(model, mesh.dp, average=True, log=logs.get("data_parallel"))
     dist.all_reduce(loss, group=mesh.dp.group)
     return loss.item() / layout.dp
 

@@ -30,7 +30,7 @@ from mlsyslab.comm.log import CommLog
 from mlsyslab.comm.p2p import Wire
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama, causal_attention, rope_cos_sin, rope_inverse_frequencies
-from mlsyslab.parallel.schedules import Schedule
+from mlsyslab.parallel.schedules import Schedule, idle_fraction
 from mlsyslab.parallel.weight_stash import WeightStash
 
 
@@ -152,10 +152,6 @@ def mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 
 def executed_bubble(spans_per_rank: list[list]) -> float:
-    """The idle fraction of ranks × makespan in an executed timeline (`PipelineRank.step`'s spans from
-    every rank of the pipeline): 1 − busy / (p · (last end − first start)), as `schedules.timeline`
-    computes it for the simulated one. Waiting for a neighbour's activation or gradient is idle."""
-    starts = [start for spans in spans_per_rank for _, start, _ in spans]
-    ends = [end for spans in spans_per_rank for _, _, end in spans]
-    busy = sum(end - start for spans in spans_per_rank for _, start, end in spans)
-    return 1 - busy / (len(spans_per_rank) * (max(ends) - min(starts)))
+    """The bubble of an executed timeline (`PipelineRank.step`'s spans from every rank of the pipeline),
+    as `schedules.idle_fraction` gives it for the simulated one. Waiting for a neighbour is idle."""
+    return idle_fraction([(start, end) for spans in spans_per_rank for _, start, end in spans], len(spans_per_rank))

@@ -158,9 +158,15 @@ def timeline(schedule: Schedule, forward_s: float = 1.0, backward_s: float = 2.0
             progressed = True
         if not progressed:
             raise InvalidValue("schedule", schedule.name, "an order without deadlock", reason="no rank can proceed")
-    makespan = max(clock)
-    busy = sum(end - start for _, _, start, end in spans)
-    return Timeline(spans, makespan, 1 - busy / (p * makespan), [_peak_in_flight(a) for a in schedule.actions])
+    return Timeline(spans, max(clock), idle_fraction([(start, end) for _, _, start, end in spans], p),
+                    [_peak_in_flight(a) for a in schedule.actions])
+
+
+def idle_fraction(intervals: list, ranks: int) -> float:
+    """The bubble of a timeline: 1 − busy / (ranks · (last end − first start)), over every rank's busy
+    (start, end) intervals — simulated here, or executed (`pipeline.executed_bubble`)."""
+    first, last = min(start for start, _ in intervals), max(end for _, end in intervals)
+    return 1 - sum(end - start for start, end in intervals) / (ranks * (last - first))
 
 
 def _peak_in_flight(actions) -> int:

@@ -247,7 +247,8 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
         logs["data_parallel"].reset()  # its start-up broadcast is not a step's traffic
     optimizer = adamw(held) if zero is None else None  # under ZeRO the wrapper owns the optimizer
     data = TokenBatches(tokens, config.seq, config.global_batch, config.seed)
-    result = TrainResult(parameters=sum(p.numel() for p in held), padded_parameters=sum(p.numel() for p in held))
+    count = sum(p.numel() for p in held)
+    result = TrainResult(parameters=count, padded_parameters=count)
     bubbles = []
     for step in range(config.steps):
         began = time.perf_counter()

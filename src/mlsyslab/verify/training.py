@@ -91,8 +91,7 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
     prediction = predict_training(spec, carrier, layout, assumptions=assumptions.override({"gradient_reduce_bytes": 4}))
     wire = {name: float(np.asarray(value).reshape(-1)[0]) for name, value in prediction.wire_bytes.items()
             if name != "expert_parallel"}
-    wire["tensor_parallel"] += vocab_parallel_bytes(config, spec) if config.pp == 1 else \
-        vocab_parallel_bytes(config, spec, head=False)  # rank 0 is the first pipeline stage
+    wire["tensor_parallel"] += vocab_parallel_bytes(config, spec, head=config.pp == 1)  # rank 0: the first stage
     v = config.interleave
     wire["pipeline_p2p"] *= (2 * v - 1) / (2 * v)  # the first stage sends no gradient back from virtual stage 0
     if config.pp > 1 and spec.tied_embeddings:  # the tied embedding's gradient, summed over the pipeline
