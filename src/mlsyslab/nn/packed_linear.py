@@ -2,11 +2,17 @@
 
 At batch 1 a decoder step is one matrix-vector product per weight matrix, so its speed is the
 bandwidth at which the matrices stream from memory (the decode roofline: weight bytes / bandwidth).
-On this build `F.linear` sends a matrix-vector product to MKL's single-threaded GEMV, which reads
-about 15 GB/s whatever the thread count; oneDNN's matmul, with the weight reordered once into its
-blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the op inductor's CPU freezing pass
-uses), spreads every product over all intra-op threads: about 1.7x faster in fp32 and 3.5x in bf16
-at batch 1 here, and about 2x in fp32 at batch 16-64 (benchmarks/serve.py).
+oneDNN's matmul with the weight reordered once into its blocked layout
+(`torch.ops.mkldnn._reorder_linear_weight`, the op inductor's CPU freezing pass uses) spreads every
+product over all intra-op threads. Which kernel is fastest depends on the dtype and on how many rows
+(tokens) the step multiplies; measured here (2 cores, AVX-512, 30 layers of SmolLM2-135M's matrices,
+benchmarks/serve.py runs the model end to end):
+- fp32: at 1-2 rows the plain `F.linear` (MKL GEMV) streams the matrices at 25 GB/s, the packed
+  weight at 22; from 4 rows the packed weight is ahead (1.3-1.4x at 4-16 rows, even from 256);
+- bf16: the packed weight is 1.5x `F.linear` at 1-128 rows; with AMX tiles, from 256 rows the
+  plain weight reaches oneDNN's AMX GEMM at 1,200-1,500 GFLOP/s against 900-950 for the packed one.
+So `PackedLinear` keeps the plain weight too where a row range prefers it (`plain_rows`); for the
+plain linears it is the original's weight (shared), for the fused ones a concatenated copy.
 
 `packed_for_inference(model)` returns a copy of the model whose linear layers are `PackedLinear`
 (embeddings and norms shared with the original, which stays untouched and trainable). The results
@@ -18,8 +24,10 @@ Tested in tests/nn/test_packed_linear.py, and end to end by the engine tests on 
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mlsyslab.nn.llama import Llama
@@ -28,18 +36,44 @@ BATCH_HINT = 256  # rows the packing is tuned for; measured here it also serves 
 
 
 class PackedLinear(nn.Module):
-    """y = x Wᵀ through oneDNN with W reordered once. No bias, no gradients."""
+    """y = x Wᵀ through oneDNN with W reordered once, or through `F.linear` on the plain W for the row
+    counts `plain_rows` says are faster that way. No bias, no gradients."""
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT):
+    def __init__(self, weight: torch.Tensor, batch_hint: int = BATCH_HINT):
+        """weight [out, in]; copied (the layer is a snapshot: training the original changes nothing here)."""
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        with torch.no_grad():
-            self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint))
+        weight = weight.detach()
+        self.out_features, self.in_features = weight.shape
+        self.plain_below, self.plain_from = plain_rows(weight.dtype)
+        self.plain_weight = weight.clone() if self.plain_below > 1 or self.plain_from is not None else None
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, None, "none", [], "")
+        count = rows.shape[0]
+        if count < self.plain_below or (self.plain_from is not None and count >= self.plain_from):
+            out = F.linear(rows, self.plain_weight)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, None, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def plain_rows(dtype: torch.dtype) -> tuple[int, int | None]:
+    """(below, from): products of fewer than `below` rows, or of `from` rows or more (None: never), run
+    on the plain weight; the rest on the packed one (measurements in the module docstring)."""
+    if dtype == torch.float32:
+        return 3, None
+    return 1, (256 if cpu_has_amx() else None)
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles for bf16 (Linux /proc/cpuinfo; False where it cannot tell)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in cpuinfo)
+    except OSError:
+        return False
 
 
 def can_pack(model: Llama) -> bool:
@@ -54,7 +88,7 @@ def can_pack(model: Llama) -> bool:
     try:  # the op is private: check it exists and agrees with F.linear before relying on it
         probe = nn.Linear(8, 4, bias=False).to(weight.dtype)
         x = torch.randn(3, 8, dtype=weight.dtype)
-        return torch.allclose(PackedLinear(probe)(x).float(), probe(x).float(), atol=1e-2, rtol=1e-2)
+        return torch.allclose(PackedLinear(probe.weight)(x).float(), probe(x).float(), atol=1e-2, rtol=1e-2)
     except (RuntimeError, AttributeError):
         return False
 
@@ -65,16 +99,16 @@ def packed_for_inference(model: Llama) -> Llama:
     packed = copy.copy(model)  # shallow: embeddings and norms are shared, not copied
     packed._modules = dict(model._modules)
     packed.layers = nn.ModuleList(packed_layer(layer) for layer in model.layers)
-    packed.lm_head = PackedLinear(model.lm_head)
+    packed.lm_head = PackedLinear(model.lm_head.weight)
     return packed.eval()
 
 
 def packed_layer(layer: nn.Module) -> nn.Module:
     attention, mlp = shallow_copy(layer.self_attn), shallow_copy(layer.mlp)
     attention.fused_qkv = FusedPackedLinear([attention._modules.pop(name) for name in ("q_proj", "k_proj", "v_proj")])
-    attention.o_proj = PackedLinear(attention.o_proj)
+    attention.o_proj = PackedLinear(attention.o_proj.weight)
     mlp.fused_gate_up = FusedPackedLinear([mlp._modules.pop(name) for name in ("gate_proj", "up_proj")])
-    mlp.down_proj = PackedLinear(mlp.down_proj)
+    mlp.down_proj = PackedLinear(mlp.down_proj.weight)
     new = shallow_copy(layer)
     new.self_attn, new.mlp = attention, mlp
     return new
@@ -91,11 +125,8 @@ class FusedPackedLinear(PackedLinear):
     """Several linears on the same input as one prepacked matrix; returns their outputs in order."""
 
     def __init__(self, linears: list[nn.Linear], batch_hint: int = BATCH_HINT):
-        stacked = nn.Linear(linears[0].in_features, sum(l.out_features for l in linears), bias=False,
-                            device="meta")
-        stacked.weight = nn.Parameter(torch.cat([l.weight.detach() for l in linears]), requires_grad=False)
-        super().__init__(stacked, batch_hint)
-        self.sizes = [l.out_features for l in linears]
+        super().__init__(torch.cat([linear.weight.detach() for linear in linears]), batch_hint)
+        self.sizes = [linear.out_features for linear in linears]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return super().forward(x).split(self.sizes, dim=-1)

@@ -28,7 +28,7 @@ import torch
 
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama
-from mlsyslab.nn.packed_linear import can_pack, packed_for_inference
+from mlsyslab.nn.packed_linear import can_pack, cpu_has_amx, packed_for_inference
 from mlsyslab.nn.paged_attention import PagedAttention, SequenceSlice
 from mlsyslab.nn.tokenizer import Tokenizer
 from mlsyslab.serve.kv_cache import KVCache
@@ -178,15 +178,6 @@ class Engine:
     def check(self) -> None:
         """Raise unless every KV block is owned exactly as the scheduler and prefix cache say."""
         self.kv.check(self.scheduler.owners())
-
-
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX tiles for bf16 (Linux /proc/cpuinfo; False where it cannot tell)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in cpuinfo)
-    except OSError:
-        return False
 
 
 def kv_cache_dtype(parameter: torch.Tensor) -> torch.dtype:
