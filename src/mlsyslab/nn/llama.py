@@ -278,15 +278,16 @@ def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """cos and sin of position·frequency, [B, T, 1, d] (frequencies repeated for both halves)."""
+    """cos and signed sin of position·frequency, [B, T, 1, d]: frequencies repeated for both halves,
+    the sin of the first half negated (so `apply_rope` needs no negation of its own)."""
     compute = torch.promote_types(dtype, torch.float32)
     angles = positions[..., None].to(compute) * inv_freq.to(compute)
-    angles = torch.cat((angles, angles), dim=-1)[..., None, :]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat((cos, cos), dim=-1)[..., None, :].to(dtype), torch.cat((-sin, sin), dim=-1)[..., None, :].to(dtype)
 
 
-def apply_rope(x, cos, sin):
-    """Rotate channel i with channel i + d/2 (the "rotate half" layout HF checkpoints use)."""
+def apply_rope(x, cos, signed_sin):
+    """Rotate channel i with channel i + d/2 (the "rotate half" layout HF checkpoints use):
+    x·cos + (-x₂, x₁)·sin, the sign carried by `signed_sin` (bit-equal: (-a)·b = a·(-b))."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin

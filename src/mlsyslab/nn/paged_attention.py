@@ -77,6 +77,9 @@ class PagedAttention:
         kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
         for cache, new in ((k_cache, k), (v_cache, v)):
             cache.view(kv_heads, -1, head_dim).index_copy_(1, self.slot_mapping, new[0].transpose(0, 1).to(cache.dtype))
+        if not self.prefills:  # decodes only: every packed token is its sequence's one new token
+            return decode_attention(q[0], k_cache, v_cache, self.decode_rows_in_cache, self.decode_mask,
+                                    self.decode_len).to(q.dtype)[None]
         out = torch.empty_like(q[0])
         if len(self.decode_rows):
             attended = decode_attention(q[0, self.decode_rows], k_cache, v_cache, self.decode_rows_in_cache,
