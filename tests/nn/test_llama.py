@@ -103,3 +103,20 @@ def test_training_path_has_gradients():
     loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_rms_norm_in_bf16_rounds_once_from_fp32():
+    """The fused norm accumulates in fp32 and rounds once: within half a bf16 ulp of the exact value
+    (HF's two roundings are not), and never further from it than HF's formula on average."""
+    from mlsyslab.nn.llama import RMSNorm
+
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 96, generator=generator) * 3).bfloat16()
+    norm = RMSNorm(96, 1e-5).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96, generator=generator) + 0.5)
+        ours = norm(x).double()
+    exact = norm.weight.double() * x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+    hf = (norm.weight * torch.nn.functional.rms_norm(x.float(), (96,), None, 1e-5).bfloat16()).double()
+    assert ((ours - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-30).all()
+    assert (ours - exact).abs().mean() <= (hf - exact).abs().mean()
