@@ -43,7 +43,11 @@ def test_every_row_count_computes_the_same_product(dtype):
     layer = PackedLinear(weight)
     below, start = plain_rows(dtype)
     for rows in sorted({1, max(below - 1, 1), below, 300}):
-        x = torch.randn(rows, 32).to(dtype)
+        x, residual = torch.randn(rows, 32).to(dtype), torch.randn(rows, 48).to(dtype)
         torch.testing.assert_close(layer(x).float(), (x.float() @ weight.float().T), atol=0.05, rtol=0.02)
+        added = layer.add_to(x, residual)
+        if dtype == torch.float32:  # the fused add rounds as a separate one does
+            torch.testing.assert_close(added, residual + layer(x), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(added.float(), residual.float() + x.float() @ weight.float().T, atol=0.05, rtol=0.02)
     if below > 1 or start is not None:
         assert layer.plain_weight is not None and layer.plain_weight.data_ptr() != weight.data_ptr()

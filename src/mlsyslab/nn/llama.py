@@ -207,8 +207,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, attend: Callable) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), cos, sin, attend, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class Attention(nn.Module):
@@ -223,14 +223,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.heads * config.head_dim, config.hidden, bias=False)
         self.fused_qkv = None  # the serving copy's one matrix for q, k and v (nn.packed_linear)
 
-    def forward(self, x, cos, sin, attend: Callable) -> torch.Tensor:
+    def forward(self, x, cos, sin, attend: Callable, residual: torch.Tensor) -> torch.Tensor:
+        """residual + o_proj(attention(x))."""
         q, k, v = self.fused_qkv(x) if self.fused_qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         batch, tokens = q.shape[:2]  # under sequence parallelism q spans more tokens than x
-        q = q.view(batch, tokens, self.heads, self.head_dim)
-        k = k.view(batch, tokens, self.kv_heads, self.head_dim)
+        q = apply_rope(q.view(batch, tokens, self.heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(batch, tokens, self.kv_heads, self.head_dim), cos, sin)
         v = v.view(batch, tokens, self.kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.o_proj(attend(q, k, v).reshape(batch, tokens, self.heads * self.head_dim))
+        return add_projection(residual, self.o_proj, attend(q, k, v).reshape(batch, tokens, self.heads * self.head_dim))
 
 
 class SwiGLU(nn.Module):
@@ -243,9 +243,18 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(ffn_hidden, hidden, bias=False)
         self.fused_gate_up = None  # the serving copy's one matrix for gate and up (nn.packed_linear)
 
-    def forward(self, x):
+    def forward(self, x, residual: torch.Tensor | None = None):
+        """down(silu(gate(x)) * up(x)), plus `residual` when given."""
         gate, up = self.fused_gate_up(x) if self.fused_gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        hidden = F.silu(gate) * up
+        return self.down_proj(hidden) if residual is None else add_projection(residual, self.down_proj, hidden)
+
+
+def add_projection(residual: torch.Tensor, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """residual + linear(x). The serving copy's `PackedLinear` adds inside its matmul (`add_to`): at
+    decode batch sizes every kernel saved counts (docs/serving.md); in fp32 it rounds as a separate add."""
+    add_to = getattr(linear, "add_to", None)
+    return add_to(x, residual) if add_to is not None else residual + linear(x)
 
 
 class RMSNorm(nn.Module):
