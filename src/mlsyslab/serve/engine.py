@@ -11,8 +11,8 @@ runs the same step in a process of its own for the HTTP server.
 
 Cost per step: one pass over the weights (memory-bound at small batches: weight bytes / bandwidth
 is the decode roofline; twin `predict.inference`) plus attention over each request's context.
-Measured on this 2-core machine (SmolLM2-135M, batch 1, over HTTP, 2026-11-23): 27-28 tok/s fp32, 32-33 tok/s
-bf16 (benchmarks/README.md; the machine's speed drifts by a third between runs).
+Measured on this 2-core machine (SmolLM2-135M, batch 1, over HTTP, 2026-11-23): 27-28 tok/s fp32,
+32-33 tok/s bf16 (benchmarks/README.md; the machine's speed drifts by a third between runs).
 Not done: speculative decoding, CUDA graphs / torch.compile, tensor parallelism across processes.
 Tested in tests/serve/test_engine.py (greedy equal to HF transformers at batch 1 and mixed batches).
 """

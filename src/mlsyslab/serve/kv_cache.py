@@ -35,7 +35,12 @@ class KVCache:
         if self.num_blocks < 1:
             raise InvalidValue("kv_cache_bytes", budget_bytes, f">= {self.block_bytes} (one block of {block_size} tokens)")
         shape = (config.layers, config.kv_heads, self.num_blocks, block_size, config.head_dim)
-        self.k, self.v = zeros(shape, dtype, device), zeros(shape, dtype, device)
+        # Zeros, not garbage: masked padding reads unwritten slots, and 0 · NaN would poison attention.
+        # Written now, not left to the OS to zero on first touch (calloc): torch's CPU allocator asks
+        # for transparent huge pages for large buffers, so zeroing the default 1 GB took 0.2 s here,
+        # while a lazily zeroed pool took its 4 kB page faults during serving (9 ms of every
+        # 32-sequence decode step went to faults on fresh K/V pages).
+        self.k, self.v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
         self.refcount = [0] * self.num_blocks
         self.free_blocks: deque[int] = deque(range(self.num_blocks))
 
@@ -88,15 +93,6 @@ class KVCache:
             raise AssertionError("KV cache: a block is in the free pool twice")
         if set(free) != {block for block in range(self.num_blocks) if self.refcount[block] == 0}:
             raise AssertionError("KV cache: the free pool differs from the blocks with refcount 0")
-
-
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
-    """A zeroed pool, every page written now. Zeros, not garbage: masked padding reads unwritten slots,
-    and 0 · NaN would poison attention. Written now, not left to the OS to zero on first touch
-    (calloc): torch's CPU allocator asks for transparent huge pages for large buffers, so zeroing
-    the default 1 GB took 0.2 s here, while a lazily zeroed pool took its 4 kB page faults during
-    serving — 9 ms of every 32-sequence decode step went to faults on fresh K/V pages."""
-    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def block_bytes(config: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
