@@ -48,7 +48,8 @@ def mlsys(*args, **kwargs):
     (["--tp", "2", "--nproc", "4", "--dp", "1"], "layout"),
     (["--pp", "2", "--global-batch", "2"], "microbatches"),  # fewer microbatches than stages
     (["--ep", "2"], "ep"),
-    (["--tp", "2", "--strategy", "zero2"], "strategy"),  # ZeRO-1 only inside the mesh
+    (["--pp", "2", "--strategy", "zero2"], "strategy"),  # ZeRO-2/3 only with TP and DP inside the mesh
+    (["--cp", "2", "--strategy", "zero3"], "strategy"),
     (["--pp", "2", "--schedule", "pipedream"], "schedule"),
     (["--pp", "2", "--interleave", "2"], "interleave"),
     (["--pp", "2", "--microbatches", "3"], "microbatches"),
@@ -144,11 +145,13 @@ def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny):
             assert wire["context_parallel"]["measured"] == pytest.approx(wire["context_parallel"]["predicted"])
 
 
-def test_zero1_along_data_parallel_inside_the_mesh(tiny):
-    """DP2 × TP2 on 4 ranks with ZeRO-1 along DP: one process's losses, and the DP bytes predict states
-    (gradients reduce-scattered once per step, the updated weights all-gathered)."""
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_zero_along_data_parallel_inside_the_mesh(tiny, strategy):
+    """DP2 × TP2 on 4 ranks with ZeRO along DP: one process's losses, and the DP bytes predict states
+    (gradients reduce-scattered once per step, the updated weights all-gathered; ZeRO-3 gathers the
+    weights for forward and again for backward instead)."""
     reference = _train_json(tiny, "--nproc", "1", "--steps", "3")["result"]["losses"]
-    report = _train_json(tiny, "--nproc", "4", "--tp", "2", "--dp", "2", "--strategy", "zero1", "--steps", "3")
+    report = _train_json(tiny, "--nproc", "4", "--tp", "2", "--dp", "2", "--strategy", strategy, "--steps", "3")
     assert report["result"]["losses"] == pytest.approx(reference, rel=1e-5)
     wire = report["predicted_vs_measured"]["wire_bytes_per_step"]
     for dimension in ("tensor_parallel", "data_parallel"):

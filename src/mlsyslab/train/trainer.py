@@ -11,9 +11,11 @@ the time per step. Launched by `mlsys train` through torchrun (train/worker.py).
 With --tp / --pp / --cp > 1 the same loop runs `parallel.mesh.composed_step` on a device mesh
 (DP × PP × CP × TP; `train_on_mesh`) and measures the bytes each dimension sends and, under PP, the
 bubble of the executed timeline, for `verify.training.compare_mesh_training`; `--strategy zero1`
-shards the optimizer state along DP. Not done yet: ZeRO-2/3, bf16, offload and checkpoints inside
-the mesh, and EP (the catalog's models are dense; EP runs on its own in parallel/expert.py) — each
-is rejected before launch.
+shards the optimizer state along DP, and zero2 / zero3 also the gradients / weights (with --tp and
+--dp only). Not done yet: ZeRO-2/3 with PP or CP (they reduce inside each backward, before the
+pipeline's and the ring's gradient sums), bf16, offload and checkpoints inside the mesh, and EP
+(the catalog's models are dense; EP runs on its own in parallel/expert.py) — each is rejected
+before launch.
 """
 
 import statistics
@@ -120,9 +122,10 @@ class TrainConfig:
         if self.ep > 1:
             raise InvalidValue("ep", self.ep, "1: the catalog's models are dense (no expert layers); expert "
                                               "parallelism runs on its own (parallel/expert.py), not yet in the mesh")
-        if self.strategy not in ("ddp", "zero1"):
-            raise InvalidValue("strategy", self.strategy, "ddp or zero1 when tp, pp or cp > 1 (ZeRO-2/3 inside the mesh "
-                                                          "are not built yet)")
+        if self.strategy in ("zero2", "zero3") and (self.pp > 1 or self.cp > 1):
+            raise InvalidValue("strategy", self.strategy, "ddp or zero1 when pp or cp > 1 (ZeRO-2/3 reduce inside every "
+                                                          "backward, before the pipeline's and the CP ring's gradient "
+                                                          "sums: not built yet); zero2/zero3 run with --tp and --dp")
         for name in ("bf16", "offload", "resume"):
             if getattr(self, name):
                 raise InvalidValue(name, True, "off when tp, pp or cp > 1 (not built inside the mesh yet)")
@@ -242,8 +245,9 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
     held = list(module.parameters())
     adamw = lambda params: torch.optim.AdamW(params, lr=config.lr, weight_decay=0.1, foreach=False)  # noqa: E731
     zero = None
-    if config.strategy == "zero1":  # the optimizer state sharded over the data-parallel group
-        zero = ZeroDataParallel(module, mesh.dp, 1, adamw, bucket_bytes=config.bucket_bytes, log=logs["data_parallel"])
+    if config.strategy != "ddp":  # ZeRO along the data-parallel group, on the TP shards this rank holds
+        zero = ZeroDataParallel(module, mesh.dp, int(config.strategy[-1]), adamw, bucket_bytes=config.bucket_bytes,
+                                log=logs["data_parallel"])
         logs["data_parallel"].reset()  # its start-up broadcast is not a step's traffic
     optimizer = adamw(held) if zero is None else None  # under ZeRO the wrapper owns the optimizer
     data = TokenBatches(tokens, config.seq, config.global_batch, config.seed)
@@ -257,11 +261,12 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
             loss = composed_step(model, mesh, inputs, targets, config.microbatches, pipeline, logs)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        else:
-            with zero.no_sync():
+        else:  # ZeRO-1 accumulates over the pipeline's backwards and reduces once; 2 and 3 reduce in the backward
+            with zero.no_sync() if zero.stage == 1 else nullcontext():
                 loss = composed_step(model, mesh, inputs, targets, config.microbatches, pipeline, logs,
                                      reduce_data_parallel=False)
-            zero.reduce_gradients()
+            if zero.stage == 1:
+                zero.reduce_gradients()
             zero.step()
             zero.zero_grad()
         result.step_s.append(time.perf_counter() - began)

@@ -83,7 +83,7 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
     from mlsyslab.specs import catalog
 
     spec = Model(**config.model)
-    layout = Layout.of(dp=config.data_parallel, tp=config.tp, pp=config.pp, cp=config.cp, zero=1 if config.strategy == "zero1" else 0,
+    layout = Layout.of(dp=config.data_parallel, tp=config.tp, pp=config.pp, cp=config.cp, zero=0 if config.strategy == "ddp" else int(config.strategy[-1]),
                        micro_batch=config.micro_batch,
                        global_batch=config.global_batch, seq=config.seq, schedule=config.schedule,
                        interleave=config.interleave)
