@@ -47,7 +47,7 @@ class PackedLinear(nn.Module):
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
         self.plain_below, self.plain_from = plain_rows(weight.dtype)
-        self.plain_weight = weight.clone() if self.plain_below > 1 or self.plain_from is not None else None
+        self.register_buffer("plain_weight", weight.clone() if self.plain_below > 1 or self.plain_from is not None else None)
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -78,13 +78,10 @@ class PagedAttention:
         for cache, new in ((k_cache, k), (v_cache, v)):
             cache.view(kv_heads, -1, head_dim).index_copy_(1, self.slot_mapping, new[0].transpose(0, 1).to(cache.dtype))
         if not self.prefills:  # decodes only: every packed token is its sequence's one new token
-            return decode_attention(q[0], k_cache, v_cache, self.decode_rows_in_cache, self.decode_mask,
-                                    self.decode_len).to(q.dtype)[None]
+            return self._decode(q[0], k_cache, v_cache)[None]
         out = torch.empty_like(q[0])
         if len(self.decode_rows):
-            attended = decode_attention(q[0, self.decode_rows], k_cache, v_cache, self.decode_rows_in_cache,
-                                        self.decode_mask, self.decode_len)
-            out[self.decode_rows] = attended.to(out.dtype)
+            out[self.decode_rows] = self._decode(q[0, self.decode_rows], k_cache, v_cache)
         for start, query_len, context_len, rows in self.prefills:
             keys = gather_blocks(k_cache, rows, 1, context_len)
             values = gather_blocks(v_cache, rows, 1, context_len)
@@ -93,6 +90,10 @@ class PagedAttention:
             attended = attention(query, keys.transpose(0, 1), values.transpose(0, 1), mask, causal=mask is None)
             out[start:start + query_len] = attended[0].transpose(0, 1).to(out.dtype)
         return out[None]
+
+    def _decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        return decode_attention(query, k_cache, v_cache, self.decode_rows_in_cache, self.decode_mask,
+                                self.decode_len).to(query.dtype)
 
 
 def decode_attention(query, k_cache, v_cache, rows, mask, length: int) -> torch.Tensor:

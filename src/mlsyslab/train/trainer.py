@@ -74,6 +74,11 @@ class TrainConfig:
         return self.tp * self.pp * self.cp * self.ep > 1
 
     @property
+    def zero_stage(self) -> int:
+        """0 for plain data parallelism (ddp), else the ZeRO stage the strategy names."""
+        return 0 if self.strategy == "ddp" else int(self.strategy[-1])
+
+    @property
     def data_parallel(self) -> int:
         return self.dp if self.dp is not None else max(1, self.nproc // (self.tp * self.pp * self.cp))
 
@@ -183,8 +188,7 @@ def train(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progress=None) 
         state_tensors = lambda: plain_model_state_tensors(model, optimizer)  # noqa: E731
         padded = sum(p.numel() for p in model.parameters())
     else:
-        stage = int(config.strategy[-1])
-        wrapped = ZeroDataParallel(model, rank, stage, optimizer_factory, mixed_precision=config.bf16,
+        wrapped = ZeroDataParallel(model, rank, config.zero_stage, optimizer_factory, mixed_precision=config.bf16,
                                    offload=config.offload, bucket_bytes=config.bucket_bytes, log=log,
                                    units=list(model.layers))  # ZeRO-3 gathers one decoder layer at a time
         optimizer = wrapped.optimizer
@@ -246,7 +250,7 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
     adamw = lambda params: torch.optim.AdamW(params, lr=config.lr, weight_decay=0.1, foreach=False)  # noqa: E731
     zero = None
     if config.strategy != "ddp":  # ZeRO along the data-parallel group, on the TP shards this rank holds
-        zero = ZeroDataParallel(module, mesh.dp, int(config.strategy[-1]), adamw, bucket_bytes=config.bucket_bytes,
+        zero = ZeroDataParallel(module, mesh.dp, config.zero_stage, adamw, bucket_bytes=config.bucket_bytes,
                                 log=logs["data_parallel"])
         logs["data_parallel"].reset()  # its start-up broadcast is not a step's traffic
     optimizer = adamw(held) if zero is None else None  # under ZeRO the wrapper owns the optimizer

@@ -34,12 +34,11 @@ def predicted_wire_bytes(strategy: str, padded_params: int, world: int, microbat
 def compare_training(config, result: dict, hardware: Hardware | None = None,
                      assumptions: Assumptions = DEFAULT) -> dict:
     spec = Model(**config.model)
-    stage = 0 if config.strategy == "ddp" else int(config.strategy[-1])
     dtype = "bf16" if config.bf16 else "fp32"
     width = 2 if config.bf16 else 4
-    weights, gradients, optimizer = model_state_bytes(result["padded_parameters"], config.nproc, stage, "adam", dtype,
-                                                      config.offload)
-    host = offloaded_optimizer_bytes(result["padded_parameters"], config.nproc, stage) if config.offload else 0.0
+    stage, padded = config.zero_stage, result["padded_parameters"]
+    weights, gradients, optimizer = model_state_bytes(padded, config.nproc, stage, "adam", dtype, config.offload)
+    host = offloaded_optimizer_bytes(padded, config.nproc, stage) if config.offload else 0.0
     layout = Layout.of(dp=config.nproc, zero=stage, micro_batch=config.micro_batch, global_batch=config.global_batch,
                        seq=config.seq, offload=config.offload)
     stored, _ = activation_bytes_per_layer(spec, layout, flash_attention=True)
@@ -48,7 +47,7 @@ def compare_training(config, result: dict, hardware: Hardware | None = None,
     predicted_memory = {"weights": weights, "gradients": gradients, "optimizer": optimizer, "host_offload": host,
                         "activations": activations}
     measured_memory = {**result["held_bytes"], "activations": result["activation_bytes"]}
-    wire = predicted_wire_bytes(config.strategy, result["padded_parameters"], config.nproc, config.microbatches, width)
+    wire = predicted_wire_bytes(config.strategy, padded, config.nproc, config.microbatches, width)
     report = {
         "memory_bytes": {k: _pair(predicted_memory[k], measured_memory.get(k, 0)) for k in predicted_memory},
         "wire_bytes_per_step": {op: _pair(wire.get(op, 0.0), result["wire_bytes_per_step"].get(op, 0.0))
@@ -83,7 +82,7 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
     from mlsyslab.specs import catalog
 
     spec = Model(**config.model)
-    layout = Layout.of(dp=config.data_parallel, tp=config.tp, pp=config.pp, cp=config.cp, zero=0 if config.strategy == "ddp" else int(config.strategy[-1]),
+    layout = Layout.of(dp=config.data_parallel, tp=config.tp, pp=config.pp, cp=config.cp, zero=config.zero_stage,
                        micro_batch=config.micro_batch,
                        global_batch=config.global_batch, seq=config.seq, schedule=config.schedule,
                        interleave=config.interleave)
