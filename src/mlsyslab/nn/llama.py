@@ -222,13 +222,14 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden, config.kv_heads * config.head_dim, bias=False)
         self.o_proj = nn.Linear(config.heads * config.head_dim, config.hidden, bias=False)
         self.fused_qkv = None  # the serving copy's one matrix for q, k and v (nn.packed_linear)
+        self.rope = apply_rope  # the serving copy's is one in-place pass (nn.cpu_kernels.rope)
 
     def forward(self, x, cos, sin, attend: Callable, residual: torch.Tensor) -> torch.Tensor:
         """residual + o_proj(attention(x))."""
         q, k, v = self.fused_qkv(x) if self.fused_qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         batch, tokens = q.shape[:2]  # under sequence parallelism q spans more tokens than x
-        q = apply_rope(q.view(batch, tokens, self.heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(batch, tokens, self.kv_heads, self.head_dim), cos, sin)
+        q = self.rope(q.view(batch, tokens, self.heads, self.head_dim), cos, sin)
+        k = self.rope(k.view(batch, tokens, self.kv_heads, self.head_dim), cos, sin)
         v = v.view(batch, tokens, self.kv_heads, self.head_dim)
         return add_projection(residual, self.o_proj, attend(q, k, v).reshape(batch, tokens, self.heads * self.head_dim))
 
@@ -242,12 +243,17 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, ffn_hidden, bias=False)
         self.down_proj = nn.Linear(ffn_hidden, hidden, bias=False)
         self.fused_gate_up = None  # the serving copy's one matrix for gate and up (nn.packed_linear)
+        self.silu_and_mul = silu_and_mul  # the serving copy's is one pass (nn.cpu_kernels.silu_and_mul)
 
     def forward(self, x, residual: torch.Tensor | None = None):
         """down(silu(gate(x)) * up(x)), plus `residual` when given."""
         gate, up = self.fused_gate_up(x) if self.fused_gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        hidden = F.silu(gate) * up
+        hidden = self.silu_and_mul(gate, up)
         return self.down_proj(hidden) if residual is None else add_projection(residual, self.down_proj, hidden)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 def add_projection(residual: torch.Tensor, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.llama import Llama
 
 BATCH_HINT = 256  # rows the packing is tuned for; measured here it also serves batch 1 at full speed
@@ -108,15 +109,19 @@ def can_pack(model: Llama) -> bool:
 
 def packed_for_inference(model: Llama) -> Llama:
     """A copy of `model` for serving: q/k/v and gate/up fused into one prepacked matrix each, every
-    other linear prepacked; embeddings and norms shared. The original is untouched."""
+    other linear prepacked; embeddings and norm weights shared. Where the C++ kernels build
+    (`nn.cpu_kernels`), RMSNorm, rope and silu·up run as one pass each. The original is untouched."""
     packed = copy.copy(model)  # shallow: embeddings and norms are shared, not copied
     packed._modules = dict(model._modules)
-    packed.layers = nn.ModuleList(packed_layer(layer) for layer in model.layers)
+    kernels = cpu_kernels.serves(model.lm_head.weight)
+    packed.layers = nn.ModuleList(packed_layer(layer, kernels) for layer in model.layers)
     packed.lm_head = PackedLinear(model.lm_head.weight)
+    if kernels:
+        packed.norm = cpu_kernels.KernelRMSNorm(model.norm)
     return packed.eval()
 
 
-def packed_layer(layer: nn.Module) -> nn.Module:
+def packed_layer(layer: nn.Module, kernels: bool) -> nn.Module:
     attention, mlp = shallow_copy(layer.self_attn), shallow_copy(layer.mlp)
     attention.fused_qkv = FusedPackedLinear([attention._modules.pop(name) for name in ("q_proj", "k_proj", "v_proj")])
     attention.o_proj = PackedLinear(attention.o_proj.weight)
@@ -124,6 +129,10 @@ def packed_layer(layer: nn.Module) -> nn.Module:
     mlp.down_proj = PackedLinear(mlp.down_proj.weight)
     new = shallow_copy(layer)
     new.self_attn, new.mlp = attention, mlp
+    if kernels:
+        attention.rope, mlp.silu_and_mul = cpu_kernels.rope, cpu_kernels.silu_and_mul
+        new.input_layernorm = cpu_kernels.KernelRMSNorm(layer.input_layernorm)
+        new.post_attention_layernorm = cpu_kernels.KernelRMSNorm(layer.post_attention_layernorm)
     return new
 
 

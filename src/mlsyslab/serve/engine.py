@@ -29,6 +29,7 @@ import torch
 
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama
+from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.packed_linear import can_pack, cpu_has_amx, packed_for_inference
 from mlsyslab.nn.paged_attention import PagedAttention, SequenceSlice
 from mlsyslab.nn.tokenizer import Tokenizer
@@ -63,8 +64,8 @@ class Engine:
         self.model = self.serving_copy(model)
         self.wide_model, self.wide_from = self.wide_step_model(model)
         parameter = next(model.parameters())
-        self.kv = KVCache(model.config, config.kv_cache_bytes, config.block_size, kv_cache_dtype(parameter),
-                          parameter.device)
+        self.kv = KVCache(model.config, config.kv_cache_bytes, config.block_size,
+                          kv_cache_dtype(parameter, model.config.head_dim), parameter.device)
         self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_running, config.max_waiting,
                                    config.prefix_cache)
         if eos_token_ids is None:
@@ -181,12 +182,15 @@ class Engine:
         self.kv.check(self.scheduler.owners())
 
 
-def kv_cache_dtype(parameter: torch.Tensor) -> torch.dtype:
-    """The weights' dtype, except fp32 for 16-bit weights on CPU, where attention runs in fp32 anyway
-    and converting the whole cached context every step cost more than the doubled cache bytes."""
-    if parameter.device.type == "cpu" and parameter.dtype in (torch.bfloat16, torch.float16):
-        return torch.float32
-    return parameter.dtype
+def kv_cache_dtype(parameter: torch.Tensor, head_dim: int) -> torch.dtype:
+    """The weights' dtype (K and V come out of the projections in it, so the cache holds them exactly),
+    except fp32 for 16-bit weights on CPU where the in-place decode kernel (`nn.cpu_kernels`)
+    cannot read them: the PyTorch path computes attention in fp32, and converting the gathered
+    context every step cost more than the doubled cache bytes."""
+    if parameter.device.type != "cpu" or parameter.dtype not in (torch.bfloat16, torch.float16):
+        return parameter.dtype
+    cache = torch.empty(1, 1, 1, head_dim, dtype=parameter.dtype)
+    return parameter.dtype if cpu_kernels.serves_cache(cache) else torch.float32
 
 
 class LLM:

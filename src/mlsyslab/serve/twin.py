@@ -29,7 +29,7 @@ def predicted_tpot(model: Llama, name: str, hardware, assumptions: Assumptions, 
     """Seconds per decode step of `model` served by this engine with `concurrency` requests in flight."""
     parameter = next(model.parameters())
     spec = model.config.to_spec(name, sum(p.numel() for p in model.parameters()), "the loaded model's config")
-    kv = {torch_dtype: label for label, torch_dtype in DTYPES.items()}[kv_cache_dtype(parameter)]
+    kv = {torch_dtype: label for label, torch_dtype in DTYPES.items()}[kv_cache_dtype(parameter, model.config.head_dim)]
     counted = assumptions.override({"kernels_per_layer": kernels_per_decode_layer(parameter.dtype, concurrency)})
     prediction = predict_inference(spec, hardware, concurrency, prompt_tokens, output_tokens, kv_dtype=kv,
                                    assumptions=counted)

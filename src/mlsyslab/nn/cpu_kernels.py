@@ -1,0 +1,94 @@
+"""Builds and loads the C++ kernels of the CPU serving path (`nn/csrc/*.cpp`, ops `torch.ops.mlsyslab.*`).
+
+- `paged_decode_attention` (csrc/paged_decode.cpp): decode attention reading the paged KV cache in
+  place, fp32 or bf16 cache; used by `nn.paged_attention`.
+- `rms_norm`, `silu_and_mul`, `rope_` (csrc/layer_ops.cpp): a decoder layer's per-token steps as one
+  pass each; the serving copy of the model (`nn.packed_linear.packed_for_inference`) uses them
+  through `KernelRMSNorm`, `silu_and_mul` and `rope`.
+
+The kernels are compiled at first use with `torch.utils.cpp_extension.load` (g++ and ninja; ~15 s
+here) into the torch extensions cache and loaded in well under a second afterwards. They are built
+for this CPU (`-march=native`: AVX-512 where there is one), so the build is named after the CPU's
+model and flags, and a home folder shared by different machines never loads code built for another.
+OpenMP is the libgomp torch already loaded (same soname): the kernels' threads are torch's
+(`torch.set_num_threads`). Where they cannot be built (no compiler) or do not apply (not CPU, a dtype
+other than fp32/bf16, head_dim not 32/64/128), `load()` is None and callers keep their PyTorch path;
+MLSYS_CPU_KERNELS=0 forces that path. Tested against the PyTorch path in tests/nn/test_cpu_kernels.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+HEAD_DIMS = (32, 64, 128)
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def cpu_fingerprint() -> str:
+    """The CPU's model name and feature flags, hashed: what `-march=native` compiles for."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        described = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        described = [platform.processor(), platform.machine()]
+    return hashlib.sha256("\n".join(described).encode()).hexdigest()[:12]
+
+
+@functools.cache
+def load():
+    """`torch.ops.mlsyslab`, built if needed; None where the kernels cannot be built or are switched off."""
+    if os.environ.get("MLSYS_CPU_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64", "aarch64"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load as build
+        build(name=f"mlsyslab_cpu_kernels_{cpu_fingerprint()}", sources=[str(source) for source in SOURCES],
+              is_python_module=False, extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+              extra_ldflags=["-fopenmp"])
+    except Exception as error:  # noqa: BLE001 - no compiler, no ninja, or a failed build: say so, fall back
+        warnings.warn(f"CPU kernels not built ({type(error).__name__}: {str(error)[:200]}); serving takes the "
+                      "PyTorch path (slower)", RuntimeWarning, stacklevel=2)
+        return None
+    return torch.ops.mlsyslab
+
+
+def serves(tensor: torch.Tensor) -> bool:
+    """Whether the kernels take `tensor` (CPU, fp32 or bf16) and are built."""
+    return tensor.device.type == "cpu" and tensor.dtype in DTYPES and load() is not None
+
+
+def serves_cache(cache: torch.Tensor) -> bool:
+    """Whether `paged_decode_attention` reads a cache `[..., kv_heads, num_blocks, block_size, head_dim]`."""
+    return cache.shape[-1] in HEAD_DIMS and serves(cache)
+
+
+class KernelRMSNorm(nn.Module):
+    """`nn.llama.RMSNorm` for inference, in one pass (rounded once, as F.rms_norm); shares the weight."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return load().rms_norm(x.contiguous(), self.weight, self.eps)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up in one pass; gate and up are the two halves of one fused matmul's output."""
+    width = gate.shape[-1]
+    out = load().silu_and_mul(gate.reshape(-1, width), up.reshape(-1, width))
+    return out.view(*gate.shape)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`nn.llama.apply_rope` in place on x [B, T, heads, head_dim] (a view of the fused q/k/v output)."""
+    load().rope_(x.view(-1, *x.shape[2:]), cos.reshape(-1, x.shape[-1]), signed_sin.reshape(-1, x.shape[-1]))
+    return x

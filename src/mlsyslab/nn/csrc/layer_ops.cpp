@@ -1,0 +1,126 @@
+// The small per-token steps of a decoder layer, one pass each instead of four to eight PyTorch kernels
+// (vLLM keeps the same three as custom ops: rms_norm, silu_and_mul, rotary_embedding).
+//
+// At decode batch sizes a layer's matmuls stream weights while these steps touch a few kilobytes; in
+// PyTorch each is several kernels (RMSNorm: upcast, square, mean, add, rsqrt, two multiplies, downcast),
+// each paying dispatch and a trip through caches the matmul just flushed (docs/serving.md profile).
+// Arithmetic is fp32; bf16 results round where PyTorch's (and HF's) bf16 code rounds, so outputs
+// stay bit-comparable with the reference (tests/nn/test_cpu_kernels.py):
+//   rms_norm:     x · rsqrt(mean(x²) + eps) · w, rounded once (as torch's fused F.rms_norm);
+//   silu_and_mul: silu(gate) rounded, times up, rounded (as F.silu(gate) * up);
+//   rope_:        x·cos and rotate_half(x)·sin rounded, then their sum (as HF's apply_rotary_pos_emb).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+namespace {
+
+template <typename T> inline float rounded(float x) { return static_cast<float>(static_cast<T>(x)); }
+
+constexpr int64_t kGrain = 1 << 14;  // elements per thread below which splitting costs more than it saves
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t hidden, float eps) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / hidden), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = x + r * hidden;
+      float squares = 0.f;
+      for (int64_t i = 0; i < hidden; ++i) squares += static_cast<float>(row[i]) * static_cast<float>(row[i]);
+      const float inverse = static_cast<float>(1.0 / std::sqrt(double(squares / hidden + eps)));
+      for (int64_t i = 0; i < hidden; ++i)
+        out[r * hidden + i] = static_cast<T>(static_cast<float>(row[i]) * inverse * static_cast<float>(w[i]));
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_rows(const T* gates, const T* ups, T* out, int64_t rows, int64_t width, int64_t row_stride) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = gates + r * row_stride;
+      const T* up = ups + r * row_stride;
+      for (int64_t i = 0; i < width; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        out[r * width + i] = static_cast<T>(rounded<T>(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+template <typename T>
+void rope_rows(T* x, const T* cos, const T* sin, int64_t tokens, int64_t token_stride, int64_t heads, int64_t dim) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, tokens, std::max<int64_t>(1, kGrain / (heads * dim)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + t * dim;
+      const T* s = sin + t * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = x + t * token_stride + h * dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float first = static_cast<float>(v[i]), second = static_cast<float>(v[i + half]);
+          v[i] = static_cast<T>(rounded<T>(first * static_cast<float>(c[i])) + rounded<T>(second * static_cast<float>(s[i])));
+          v[i + half] = static_cast<T>(rounded<T>(second * static_cast<float>(c[i + half])) +
+                                       rounded<T>(first * static_cast<float>(s[i + half])));
+        }
+      }
+    }
+  });
+}
+
+void check_float_or_bf16(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16),
+              name, ": an fp32 or bf16 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_float_or_bf16(x, "x");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.dim() == 1 && x.size(-1) == weight.size(0) &&
+              weight.scalar_type() == x.scalar_type(), "x [..., hidden] and weight [hidden]: contiguous, one dtype");
+  auto out = at::empty_like(x);
+  const int64_t hidden = weight.size(0), rows = x.numel() / std::max<int64_t>(hidden, 1);
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), rows, hidden, float(eps));
+  else
+    rms_norm_rows(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows,
+                  hidden, float(eps));
+  return out;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
+  check_float_or_bf16(gate, "gate");
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.strides() == up.strides() && gate.stride(1) == 1 &&
+              gate.scalar_type() == up.scalar_type(), "gate, up: [rows, ffn] with the same row stride, one dtype");
+  auto out = at::empty(gate.sizes(), gate.options());
+  const int64_t rows = gate.size(0), width = gate.size(1), stride = gate.stride(0);
+  if (gate.scalar_type() == at::kFloat)
+    silu_and_mul_rows(gate.data_ptr<float>(), up.data_ptr<float>(), out.data_ptr<float>(), rows, width, stride);
+  else
+    silu_and_mul_rows(gate.data_ptr<c10::BFloat16>(), up.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(),
+                      rows, width, stride);
+  return out;
+}
+
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_float_or_bf16(x, "x");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && x.size(2) % 2 == 0,
+              "x: [tokens, heads, head_dim], each token's heads contiguous, even head_dim");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
+              cos.size(0) == x.size(0) && cos.size(1) == x.size(2) && cos.scalar_type() == x.scalar_type() &&
+              sin.scalar_type() == x.scalar_type(), "cos, sin: contiguous [tokens, head_dim] in x's dtype");
+  if (x.scalar_type() == at::kFloat)
+    rope_rows(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), x.size(0), x.stride(0), x.size(1), x.size(2));
+  else
+    rope_rows(x.data_ptr<c10::BFloat16>(), cos.data_ptr<c10::BFloat16>(), sin.data_ptr<c10::BFloat16>(), x.size(0),
+              x.stride(0), x.size(1), x.size(2));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mlsyslab, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("silu_and_mul(Tensor gate, Tensor up) -> Tensor", &silu_and_mul);
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", &rope_);
+}

@@ -1,0 +1,116 @@
+"""The C++ serving kernels (nn/csrc) compute what the PyTorch path computes, and refuse bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mlsyslab.nn import cpu_kernels
+from mlsyslab.nn.llama import Llama, LlamaConfig, RMSNorm, apply_rope, rope_cos_sin, rope_inverse_frequencies
+from mlsyslab.nn.packed_linear import packed_for_inference
+from mlsyslab.nn.paged_attention import cache_rows, decode_attention, decode_batch
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels did not build here")
+
+
+def paged_case(dtype, head_dim, heads, kv_heads, lengths, block_size=16, num_blocks=64, seed=0):
+    """A pool with random contents and each sequence's blocks scattered over it in random order."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (kv_heads, num_blocks, block_size, head_dim)
+    k_cache = torch.randn(shape, generator=generator).to(dtype)
+    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = []
+    for length in lengths:
+        count = -(-length // block_size)
+        tables.append(order[:count])
+        order = order[count:]
+    query = torch.randn(len(lengths), heads, head_dim, generator=generator)
+    return query, k_cache, v_cache, tables
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(64, 9, 3), (32, 4, 4), (128, 8, 2)])
+@pytest.mark.parametrize("lengths", [[1], [200], [5, 16, 17, 130, 33]])
+def test_paged_decode_reads_the_blocks_in_place_like_the_gathered_path(dtype, head_dim, heads, kv_heads, lengths):
+    query, k_cache, v_cache, tables = paged_case(dtype, head_dim, heads, kv_heads, lengths)
+    padded, mask, longest = decode_batch(tables, lengths, 16, "cpu")
+    expected = decode_attention(query, k_cache.float(), v_cache.float(), cache_rows(padded, k_cache.shape), mask, longest)
+    got = cpu_kernels.load().paged_decode_attention(query, k_cache, v_cache, padded, torch.tensor(lengths),
+                                                    head_dim ** -0.5)
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_paged_decode_refuses_a_length_past_its_table_or_a_block_outside_the_pool():
+    query, k_cache, v_cache, tables = paged_case(torch.float32, 64, 9, 3, [20])
+    padded = torch.tensor(tables)
+    kernel = cpu_kernels.load().paged_decode_attention
+    with pytest.raises(RuntimeError, match=r"lengths\[0\] = 33"):
+        kernel(query, k_cache, v_cache, padded, torch.tensor([33]), 0.125)
+    with pytest.raises(RuntimeError, match=r"tables\[0\]\[1\] = 64: not a block of the pool"):
+        kernel(query, k_cache, v_cache, torch.tensor([[tables[0][0], 64]]), torch.tensor([20]), 0.125)
+    with pytest.raises(RuntimeError, match="head_dim: 32, 64 or 128"):
+        kernel(query[..., :48].contiguous(), k_cache[..., :48].contiguous(), v_cache[..., :48].contiguous(), padded,
+               torch.tensor([20]), 0.125)
+
+
+def bf16_ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable bf16 values lie between a and b (same-sign values)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_torch_fused_rms_norm(dtype):
+    generator = torch.Generator().manual_seed(1)
+    x = (torch.randn(37, 576, generator=generator) * 3).to(dtype)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = (1 + torch.randn(576, generator=generator) * 0.1).to(dtype)
+    got, expected = cpu_kernels.KernelRMSNorm(norm)(x), norm(x)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    else:  # fp32 sums in another order: the one rounding to bf16 may land one step away, rarely
+        ulps = bf16_ulps_apart(got, expected)
+        assert ulps.max() <= 1 and (ulps == 0).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_rounds_as_silu_then_mul(dtype):
+    gate_up = torch.randn(1, 19, 2 * 1536, generator=torch.Generator().manual_seed(2)).to(dtype) * 4
+    gate, up = gate_up.split(1536, dim=-1)  # the fused matmul's two halves: views with a row stride of 3072
+    got = cpu_kernels.silu_and_mul(gate, up)
+    expected = F.silu(gate) * up
+    assert got.shape == expected.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    else:
+        silu = cpu_kernels.silu_and_mul(gate, torch.ones_like(gate_up).split(1536, dim=-1)[1])  # its silu, in bf16
+        assert torch.equal(got, (silu.float() * up.float()).to(dtype))  # then rounded again after the product
+        # its fp32 exp may differ from torch's in the last bit: a different bf16 rounding only at a midpoint
+        ulps = bf16_ulps_apart(silu, F.silu(gate))
+        assert ulps.max() <= 1 and (ulps == 0).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_equals_apply_rope_on_a_view_of_the_fused_qkv_output(dtype):
+    config = LlamaConfig(vocab=64, hidden=64, layers=1, heads=9, kv_heads=3, head_dim=64, ffn_hidden=64, max_seq=4096)
+    tokens = 23
+    qkv = torch.randn(1, tokens, (9 + 2 * 3) * 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    q = qkv[..., :9 * 64].view(1, tokens, 9, 64)
+    positions = torch.randint(4096, (1, tokens))
+    cos, sin = rope_cos_sin(rope_inverse_frequencies(config), positions, dtype)
+    expected = apply_rope(q.clone(), cos, sin)
+    rotated = cpu_kernels.rope(q, cos, sin)
+    assert rotated.data_ptr() == qkv.data_ptr()  # in place, in the fused buffer
+    torch.testing.assert_close(q, expected, atol=1e-6, rtol=1e-6) if dtype == torch.float32 else \
+        torch.testing.assert_close(q, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 0.05)])
+def test_serving_copy_with_kernels_matches_the_plain_model(dtype, tolerance):
+    config = LlamaConfig(vocab=96, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=32, ffn_hidden=128, max_seq=128)
+    model = Llama(config).initialize(0.1, torch.Generator().manual_seed(0)).to(dtype).eval()
+    packed = packed_for_inference(model)
+    assert isinstance(packed.layers[0].input_layernorm, cpu_kernels.KernelRMSNorm)
+    assert packed.layers[0].self_attn.rope is cpu_kernels.rope and model.layers[0].self_attn.rope is apply_rope
+    ids = torch.randint(config.vocab, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids).float(), model(ids).float(), atol=tolerance, rtol=tolerance)
