@@ -3,7 +3,8 @@
 One `Engine.step()`: the scheduler picks this iteration's requests and how many tokens each computes
 (`serve.scheduler`); their tokens are packed into one row and run through the shared model
 (`nn.llama.Llama.forward_packed`; on CPU a copy with oneDNN-prepacked, fused weights,
-`nn.packed_linear`, and for 16-bit weights an fp32 copy for steps of many tokens) with attention through the paged KV cache
+`nn.packed_linear`, C++ kernels for attention and the per-token steps, `nn.cpu_kernels`, and without
+AMX, for 16-bit weights an fp32 copy for steps of many tokens) with attention through the paged KV cache
 (`nn.paged_attention`); rows that reached their last known token are sampled (`serve.sampling`);
 outputs are detokenized and checked for stop conditions (`serve.output`); finished requests free
 their blocks. `LLM.generate` adds every prompt and steps until all are done; `serve.engine_process`
@@ -11,8 +12,9 @@ runs the same step in a process of its own for the HTTP server.
 
 Cost per step: one pass over the weights (memory-bound at small batches: weight bytes / bandwidth
 is the decode roofline; twin `predict.inference`) plus attention over each request's context.
-Measured on this 2-core machine (SmolLM2-135M, batch 1, over HTTP, 2026-11-23): 27-28 tok/s fp32,
-32-33 tok/s bf16 (benchmarks/README.md; the machine's speed drifts by a third between runs).
+Measured on this 2-core machine (SmolLM2-135M, over HTTP, 2026-11-23, with the C++ kernels of
+`nn.cpu_kernels`): batch 1 28-29 tok/s fp32, 38-40 tok/s bf16; bf16 at 16 / 32 in flight 325 / 400-420
+tok/s (benchmarks/README.md; the machine's speed drifts by a third between runs).
 Not done: speculative decoding, CUDA graphs / torch.compile, tensor parallelism across processes.
 Tested in tests/serve/test_engine.py (greedy equal to HF transformers at batch 1 and mixed batches).
 """
