@@ -33,14 +33,22 @@ HEAD_DIMS = (32, 64, 128)
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def cpu_fingerprint() -> str:
-    """The CPU's model name and feature flags, hashed: what `-march=native` compiles for."""
+@functools.cache
+def cpu_description() -> tuple[str, frozenset[str]]:
+    """The CPU's model name and feature flags (Linux /proc/cpuinfo; the platform's names and no flags
+    where it cannot tell)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
-        described = [line for line in lines if line.startswith(("model name", "flags"))][:2]
     except OSError:
-        described = [platform.processor(), platform.machine()]
-    return hashlib.sha256("\n".join(described).encode()).hexdigest()[:12]
+        return f"{platform.processor()} {platform.machine()}", frozenset()
+    first = lambda key: next((line.split(":", 1)[1].strip() for line in lines if line.startswith(key)), "")  # noqa: E731
+    return first("model name"), frozenset(first("flags").split())
+
+
+def cpu_fingerprint() -> str:
+    """The CPU's model name and feature flags, hashed: what `-march=native` compiles for."""
+    model, flags = cpu_description()
+    return hashlib.sha256(" ".join([model, *sorted(flags)]).encode()).hexdigest()[:12]
 
 
 @functools.cache
@@ -61,13 +69,13 @@ def load():
 
 
 def serves(tensor: torch.Tensor) -> bool:
-    """Whether the kernels take `tensor` (CPU, fp32 or bf16) and are built."""
+    """Whether the layer kernels take `tensor` (CPU, fp32 or bf16) and are built."""
     return tensor.device.type == "cpu" and tensor.dtype in DTYPES and load() is not None
 
 
-def serves_cache(cache: torch.Tensor) -> bool:
-    """Whether `paged_decode_attention` reads a cache `[..., kv_heads, num_blocks, block_size, head_dim]`."""
-    return cache.shape[-1] in HEAD_DIMS and serves(cache)
+def serves_attention(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `paged_decode_attention` reads a KV cache of this device, dtype and head size."""
+    return device.type == "cpu" and dtype in DTYPES and head_dim in HEAD_DIMS and load() is not None
 
 
 class KernelRMSNorm(nn.Module):

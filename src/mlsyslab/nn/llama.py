@@ -264,12 +264,12 @@ def add_projection(residual: torch.Tensor, linear: nn.Module, x: torch.Tensor) -
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x²) + eps) · weight as one fused op, accumulated in fp32 whatever x's dtype.
+    """x / sqrt(mean(x²) + eps) · weight as one `F.rms_norm` call, accumulated in fp32 whatever x's dtype.
 
     In fp32 bit-equal to HF's weight * (x * rsqrt(mean(x²) + eps)). For 16-bit x, HF rounds the
-    normalised x to 16 bits before multiplying by the weight; the fused op rounds once, at the end —
-    closer to the exact value (tests/nn/test_llama.py) and one kernel instead of four, which at
-    decode batch sizes is where the time goes (each kernel after a matmul runs with cold caches)."""
+    normalised x to 16 bits before multiplying by the weight; `F.rms_norm` rounds once, at the end —
+    closer to the exact value (tests/nn/test_llama.py). On CPU torch still runs it as several kernels;
+    the serving copy uses one C++ pass instead (`nn.cpu_kernels.KernelRMSNorm`)."""
 
     def __init__(self, hidden: int, eps: float):
         super().__init__()

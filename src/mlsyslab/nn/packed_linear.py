@@ -26,7 +26,6 @@ Tested in tests/nn/test_packed_linear.py, and end to end by the engine tests on 
 from __future__ import annotations
 
 import copy
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -80,14 +79,9 @@ def plain_rows(dtype: torch.dtype) -> tuple[int, int | None]:
     return 1, (256 if cpu_has_amx() else None)
 
 
-@functools.cache
 def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX tiles for bf16 (Linux /proc/cpuinfo; False where it cannot tell)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in cpuinfo)
-    except OSError:
-        return False
+    """Whether this CPU has AMX tiles for bf16 (False where it cannot tell)."""
+    return "amx_bf16" in cpu_kernels.cpu_description()[1]
 
 
 def can_pack(model: Llama) -> bool:

@@ -72,8 +72,9 @@ class PagedAttention:
             start += seq.query_len
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
         self.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
-        self.decode_tables, self.decode_mask, self.decode_len = decode_batch(decode_tables, decode_lens, block_size, device)
-        self.in_place = cpu_kernels.serves_cache(k_cache)
+        self.in_place = cpu_kernels.serves_attention(k_cache.device, k_cache.dtype, k_cache.shape[-1])
+        self.decode_tables, self.decode_mask, self.decode_len = decode_batch(decode_tables, decode_lens, block_size, device,
+                                                                             masked=not self.in_place)
         if self.in_place:
             self.decode_lengths = torch.tensor(decode_lens, dtype=torch.long, device=device)
         elif self.decode_tables is not None:
@@ -150,17 +151,18 @@ def gather_blocks(cache: torch.Tensor, rows: torch.Tensor, batch: int, length: i
     return gathered.view(kv_heads, batch, -1, head_dim)[:, :, :length]
 
 
-def decode_batch(tables: list[list[int]], lengths: list[int], block_size: int, device):
+def decode_batch(tables: list[list[int]], lengths: list[int], block_size: int, device, masked: bool = True):
     """Block tables padded to the longest context, and the mask hiding each row's padding.
 
     When every context has the same length nothing is padded and the mask is None (batch-1 decode
-    does no masking work)."""
+    does no masking work); `masked=False` (the in-place kernel, which stops at each row's length)
+    builds no mask either."""
     if not tables:
         return None, None, 0
     longest = max(lengths)
     width = -(-longest // block_size)
     padded = torch.tensor([table + [table[0]] * (width - len(table)) for table in tables], dtype=torch.long, device=device)
-    if min(lengths) == longest:
+    if not masked or min(lengths) == longest:
         return padded, None, longest
     mask = torch.arange(longest, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
     return padded, mask, longest

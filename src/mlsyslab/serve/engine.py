@@ -191,8 +191,7 @@ def kv_cache_dtype(parameter: torch.Tensor, head_dim: int) -> torch.dtype:
     context every step cost more than the doubled cache bytes."""
     if parameter.device.type != "cpu" or parameter.dtype not in (torch.bfloat16, torch.float16):
         return parameter.dtype
-    cache = torch.empty(1, 1, 1, head_dim, dtype=parameter.dtype)
-    return parameter.dtype if cpu_kernels.serves_cache(cache) else torch.float32
+    return parameter.dtype if cpu_kernels.serves_attention(parameter.device, parameter.dtype, head_dim) else torch.float32
 
 
 class LLM:

@@ -43,6 +43,22 @@ inline void prefetch(const T* p, int64_t count) {
   for (int64_t i = 0; i < count * int64_t(sizeof(T)); i += 64) __builtin_prefetch(bytes + i);
 }
 
+// visit(token, row) for each of a sequence's first `length` cached tokens in order, `row` the token's
+// HeadDim values widened to fp32; the next block is prefetched while one is read.
+template <int HeadDim, typename T, typename BlockOf, typename Visit>
+inline void for_each_token(const T* cache, BlockOf block, int64_t length, int64_t block_size, Visit visit) {
+  constexpr int C = HeadDim / kLanes;
+  for (int64_t start = 0; start < length; start += block_size) {
+    const T* rows = block(cache, start);
+    if (start + block_size < length) prefetch(block(cache, start + block_size), block_size * HeadDim);
+    for (int64_t t = 0; t < std::min(block_size, length - start); ++t) {
+      Floats row[C];
+      for (int c = 0; c < C; ++c) row[c] = load(rows + t * HeadDim + c * kLanes);
+      visit(start + t, row);
+    }
+  }
+}
+
 struct Shape {
   int64_t sequences, heads, kv_heads, num_blocks, block_size, width;
   float scale;
@@ -66,19 +82,13 @@ void decode(const float* query, const T* k_cache, const T* v_cache, const int64_
       const float* q_row = query + (s * shape.heads + h * group) * HeadDim;
       for (int64_t i = 0; i < group * C; ++i) q[i] = load(q_row + i * kLanes) * shape.scale;
       scores.resize(group * length);
-      for (int64_t start = 0; start < length; start += block_size) {
-        const T* keys = block(k_cache, start);
-        if (start + block_size < length) prefetch(block(k_cache, start + block_size), block_elements);
-        for (int64_t t = 0; t < std::min(block_size, length - start); ++t) {
-          Floats k[C];
-          for (int c = 0; c < C; ++c) k[c] = load(keys + t * HeadDim + c * kLanes);
-          for (int64_t g = 0; g < group; ++g) {
-            Floats dot = q[g * C] * k[0];
-            for (int c = 1; c < C; ++c) dot += q[g * C + c] * k[c];
-            scores[g * length + start + t] = sum(dot);
-          }
+      for_each_token<HeadDim>(k_cache, block, length, block_size, [&](int64_t t, const Floats* k) {
+        for (int64_t g = 0; g < group; ++g) {
+          Floats dot = q[g * C] * k[0];
+          for (int c = 1; c < C; ++c) dot += q[g * C + c] * k[c];
+          scores[g * length + t] = sum(dot);
         }
-      }
+      });
       for (int64_t g = 0; g < group; ++g) {
         float* row = scores.data() + g * length;
         const float top = *std::max_element(row, row + length);
@@ -87,18 +97,12 @@ void decode(const float* query, const T* k_cache, const T* v_cache, const int64_
         for (int64_t t = 0; t < length; ++t) row[t] /= total;
       }
       std::fill(acc.begin(), acc.end(), Floats{});
-      for (int64_t start = 0; start < length; start += block_size) {
-        const T* values = block(v_cache, start);
-        if (start + block_size < length) prefetch(block(v_cache, start + block_size), block_elements);
-        for (int64_t t = 0; t < std::min(block_size, length - start); ++t) {
-          Floats v[C];
-          for (int c = 0; c < C; ++c) v[c] = load(values + t * HeadDim + c * kLanes);
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * length + start + t];
-            for (int c = 0; c < C; ++c) acc[g * C + c] += p * v[c];
-          }
+      for_each_token<HeadDim>(v_cache, block, length, block_size, [&](int64_t t, const Floats* v) {
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * length + t];
+          for (int c = 0; c < C; ++c) acc[g * C + c] += p * v[c];
         }
-      }
+      });
       std::memcpy(out + (s * shape.heads + h * group) * HeadDim, acc.data(), group * HeadDim * sizeof(float));
     }
   });
