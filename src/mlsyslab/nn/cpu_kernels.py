@@ -5,6 +5,8 @@
 - `rms_norm`, `silu_and_mul`, `rope_` (csrc/layer_ops.cpp): a decoder layer's per-token steps as one
   pass each; the serving copy of the model (`nn.packed_linear.packed_for_inference`) uses them
   through `KernelRMSNorm`, `silu_and_mul` and `rope`.
+- `decode_layers` (csrc/decode_layers.cpp): a decode step through every decoder layer in one call, the
+  kernels above and the serving copy's matmuls in C++ order; used by `nn.fused_decode`.
 
 The kernels are compiled at first use with `torch.utils.cpp_extension.load` (g++ and ninja; ~15 s
 here) into the torch extensions cache and loaded in well under a second afterwards. They are built

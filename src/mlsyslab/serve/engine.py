@@ -15,6 +15,7 @@ is the decode roofline; twin `predict.inference`) plus attention over each reque
 Measured on this 2-core machine (SmolLM2-135M, over HTTP, 2026-11-23, with the C++ kernels of
 `nn.cpu_kernels`): batch 1 28-29 tok/s fp32, 38-40 tok/s bf16; bf16 at 16 / 32 in flight 325 / 400-420
 tok/s (benchmarks/README.md; the machine's speed drifts by a third between runs).
+Decode-only steps run every layer in one C++ call (`nn.fused_decode`) where the kernels apply.
 Not done: speculative decoding, CUDA graphs / torch.compile, tensor parallelism across processes.
 Tested in tests/serve/test_engine.py (greedy equal to HF transformers at batch 1 and mixed batches).
 """
@@ -32,6 +33,7 @@ import torch
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama
 from mlsyslab.nn import cpu_kernels
+from mlsyslab.nn.fused_decode import FusedDecode
 from mlsyslab.nn.packed_linear import can_pack, cpu_has_amx, packed_for_inference
 from mlsyslab.nn.paged_attention import PagedAttention, SequenceSlice
 from mlsyslab.nn.tokenizer import Tokenizer
@@ -53,6 +55,7 @@ class EngineConfig:
     max_waiting: int = 256
     prefix_cache: bool = True
     packed_linears: bool = True  # oneDNN-prepacked weights on CPU (nn.packed_linear); off: F.linear
+    fused_decode: bool = True  # decode-only steps run every layer in one C++ call where it applies (nn.fused_decode)
     fp32_steps_from: int | None = None  # 16-bit CPU weights: steps of this many tokens or more run on an fp32
     # copy of them (None: 16 unless the CPU has AMX, 0: never); see `wide_step_model`
 
@@ -63,7 +66,7 @@ class Engine:
     def __init__(self, model: Llama, tokenizer: Tokenizer | None = None, config: EngineConfig = EngineConfig(),
                  eos_token_ids: frozenset[int] | None = None):
         self.source_model, self.tokenizer, self.config = model.eval(), tokenizer, config
-        self.model = self.serving_copy(model)
+        self.model, self.fused_decode = self.serving_copy(model)
         self.wide_model, self.wide_from = self.wide_step_model(model)
         parameter = next(model.parameters())
         self.kv = KVCache(model.config, config.kv_cache_bytes, config.block_size,
@@ -78,8 +81,11 @@ class Engine:
         self.seed_source = torch.Generator().manual_seed(0)
         self.steps = self.prefill_tokens = self.decode_tokens = 0
 
-    def serving_copy(self, model: Llama) -> Llama:
-        return packed_for_inference(model) if self.config.packed_linears and can_pack(model) else model
+    def serving_copy(self, model: Llama) -> tuple[Llama, FusedDecode | None]:
+        """The model the steps run (prepacked where it can be), and its one-call decode step where it applies."""
+        serving = packed_for_inference(model) if self.config.packed_linears and can_pack(model) else model
+        fused = FusedDecode(serving) if self.config.fused_decode and FusedDecode.applies_to(serving) else None
+        return serving, fused
 
     def wide_step_model(self, model: Llama) -> tuple[Llama | None, int]:
         """An fp32 copy of 16-bit CPU weights (the same values: bf16 -> fp32 is exact) for steps of many
@@ -101,12 +107,12 @@ class Engine:
             wide_from = 0 if cpu_has_amx() else 16
         if wide_from <= 0:
             return None, 0
-        return self.serving_copy(copy.deepcopy(model).float()), wide_from
+        return self.serving_copy(copy.deepcopy(model).float())[0], wide_from
 
     def refresh_weights(self) -> None:
         """Re-read the source model's weights after training changed them: the prepacked linears are
         snapshots (embeddings and norms are shared with the source model, so always current)."""
-        self.model = self.serving_copy(self.source_model)
+        self.model, self.fused_decode = self.serving_copy(self.source_model)
         self.wide_model, self.wide_from = self.wide_step_model(self.source_model)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
@@ -158,8 +164,10 @@ class Engine:
         device = self.kv.k.device
         attention = PagedAttention(self.kv.k, self.kv.v, slices)
         model = self.wide_model if self.wide_model is not None and len(ids) >= self.wide_from else self.model
-        logits = model.forward_packed(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
-                                           attention, torch.tensor(rows, dtype=torch.long, device=device))
+        fused = model is self.model and self.fused_decode is not None and not attention.prefills and attention.in_place
+        forward = self.fused_decode if fused else model.forward_packed
+        logits = forward(torch.tensor(ids, device=device), torch.tensor(positions, device=device), attention,
+                       torch.tensor(rows, dtype=torch.long, device=device))
         self.steps += 1
         self.decode_tokens += sum(1 for item in batch if item.num_tokens == 1)
         self.prefill_tokens += sum(item.num_tokens for item in batch if item.num_tokens > 1)

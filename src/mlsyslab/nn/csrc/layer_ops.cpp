@@ -14,6 +14,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -96,6 +98,10 @@ void check_float_or_bf16(const at::Tensor& t, const char* name) {
               name, ": an fp32 or bf16 CPU tensor, got ", t.scalar_type(), " on ", t.device());
 }
 
+}  // namespace
+
+namespace mlsyslab {
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_float_or_bf16(x, "x");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.dim() == 1 && x.size(-1) == weight.size(0) &&
@@ -138,10 +144,10 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
               x.stride(0), x.size(1), x.size(2));
 }
 
-}  // namespace
+}  // namespace mlsyslab
 
 TORCH_LIBRARY_FRAGMENT(mlsyslab, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
-  m.def("silu_and_mul(Tensor gate, Tensor up) -> Tensor", &silu_and_mul);
-  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", &rope_);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &mlsyslab::rms_norm);
+  m.def("silu_and_mul(Tensor gate, Tensor up) -> Tensor", &mlsyslab::silu_and_mul);
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", &mlsyslab::rope_);
 }

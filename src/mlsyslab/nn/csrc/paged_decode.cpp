@@ -15,6 +15,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -117,6 +119,10 @@ void dispatch(const at::Tensor& query, const at::Tensor& k_cache, const at::Tens
          lengths.data_ptr<int64_t>(), out.data_ptr<float>(), shape);
 }
 
+}  // namespace
+
+namespace mlsyslab {
+
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& tables, const at::Tensor& lengths, double scale) {
   TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kFloat && query.is_contiguous() && query.dim() == 3,
@@ -151,9 +157,9 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   return out;
 }
 
-}  // namespace
+}  // namespace mlsyslab
 
 TORCH_LIBRARY_FRAGMENT(mlsyslab, m) {
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lengths, "
-        "float scale) -> Tensor", &paged_decode_attention);
+        "float scale) -> Tensor", &mlsyslab::paged_decode_attention);
 }

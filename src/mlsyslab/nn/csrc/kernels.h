@@ -1,0 +1,15 @@
+// The kernels one file calls from another: decode_layers.cpp runs a whole decode step through the
+// per-step kernels of layer_ops.cpp and paged_decode.cpp. Each is also a `torch.ops.mlsyslab` op.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace mlsyslab {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& tables, const at::Tensor& lengths, double scale);
+
+}  // namespace mlsyslab

@@ -1,0 +1,67 @@
+"""A decode step through every decoder layer in one C++ call (csrc/decode_layers.cpp).
+
+At decode batch sizes a decoder layer is four matmuls and about fifteen small operations; the
+interpreter and dispatch around the small ones cost more than the operations themselves. Measured
+here (SmolLM2-135M, 2 cores): the batch-1 fp32 step spent 21.7 ms in matmuls and 8.4 ms in
+everything else, most of it Python. `FusedDecode` runs the same kernels in the same order as the
+serving copy's Python layers (`nn.packed_linear.packed_for_inference`, with `nn.cpu_kernels`), the loop
+over layers in C++: embedding, rope tables, the final norm and the logits stay in Python, once a step.
+The matmul each weight takes (oneDNN on the prepacked weight, or the plain weight) is the one
+`PackedLinear.uses_plain` picks for the step's rows, so the logits are bit-equal to the Python path's
+(tests/nn/test_fused_decode.py).
+
+It applies to steps that only decode (one new token per sequence) with the paged kernel reading the
+cache (`PagedAttention.in_place`); the engine (`serve.engine`) takes the Python path for every other
+step — prefill chunks, where the matmuls dwarf the overhead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mlsyslab.nn import cpu_kernels
+from mlsyslab.nn.llama import Llama, rope_cos_sin, rope_inverse_frequencies
+from mlsyslab.nn.packed_linear import PackedLinear
+from mlsyslab.nn.paged_attention import PagedAttention
+
+
+class FusedDecode:
+    """Decode steps of a serving copy of a Llama, its layers in one `torch.ops.mlsyslab.decode_layers` call."""
+
+    def __init__(self, model: Llama):
+        """model: a copy from `packed_for_inference` with the C++ kernels (see `applies_to`)."""
+        self.model = model
+        self.norms = [norm.weight for layer in model.layers
+                      for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+        self.linears: list[PackedLinear] = [linear for layer in model.layers for linear in (
+            layer.self_attn.fused_qkv, layer.self_attn.o_proj, layer.mlp.fused_gate_up, layer.mlp.down_proj)]
+        self.inverse_frequencies = rope_inverse_frequencies(model.config)
+        self.weights_for_rows: dict[tuple[bool, ...], list[torch.Tensor]] = {}
+
+    @staticmethod
+    def applies_to(model: Llama) -> bool:
+        """Whether `model` is a serving copy whose every layer the C++ step can run."""
+        weight = model.embed_tokens.weight
+        return (isinstance(model.lm_head, PackedLinear) and isinstance(model.norm, cpu_kernels.KernelRMSNorm)
+                and all(isinstance(layer.input_layernorm, cpu_kernels.KernelRMSNorm)
+                        and isinstance(layer.self_attn.fused_qkv, PackedLinear) for layer in model.layers)
+                and cpu_kernels.serves_attention(weight.device, weight.dtype, model.config.head_dim))
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: PagedAttention,
+                 logits_rows: torch.Tensor) -> torch.Tensor:
+        """`Llama.forward_packed` for a step of decodes only; `attention` has written nothing yet."""
+        if attention.prefills or not attention.in_place:
+            raise ValueError("FusedDecode runs steps of decodes only, with the in-place paged kernel")
+        model = self.model
+        hidden = model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(self.inverse_frequencies, positions, hidden.dtype)
+        plain = tuple(linear.uses_plain(len(input_ids)) for linear in self.linears)
+        weights = self.weights_for_rows.get(plain)
+        if weights is None:
+            weights = self.weights_for_rows[plain] = [
+                linear.plain_weight if use_plain else linear.packed_weight for linear, use_plain in zip(self.linears, plain)]
+        hidden = cpu_kernels.load().decode_layers(
+            hidden, cos.reshape(len(input_ids), -1), sin.reshape(len(input_ids), -1), self.norms, weights,
+            [not use_plain for use_plain in plain], attention.k_cache, attention.v_cache, attention.slot_mapping,
+            attention.decode_tables, attention.decode_lengths, model.config.heads, model.config.rms_norm_eps)
+        return model.lm_head(model.norm(hidden[logits_rows]))

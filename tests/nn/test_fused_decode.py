@@ -1,0 +1,89 @@
+"""The one-call decode step (nn/fused_decode.py, csrc/decode_layers.cpp) equals the Python layers bit for bit."""
+
+import pytest
+import torch
+
+from mlsyslab.nn import cpu_kernels
+from mlsyslab.nn.fused_decode import FusedDecode
+from mlsyslab.nn.llama import Llama, LlamaConfig
+from mlsyslab.nn.packed_linear import packed_for_inference
+from mlsyslab.nn.paged_attention import PagedAttention, SequenceSlice
+from mlsyslab.serve.engine import Engine, EngineConfig
+from mlsyslab.serve.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels did not build here")
+
+CONFIG = LlamaConfig(vocab=96, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=32, ffn_hidden=128, max_seq=256)
+
+
+def serving_model(dtype) -> Llama:
+    model = Llama(CONFIG).initialize(0.1, torch.Generator().manual_seed(0)).to(dtype).eval()
+    return packed_for_inference(model)
+
+
+def decode_case(dtype, context_lens, block_size=16, num_blocks=32):
+    """Caches with random contents; each sequence's blocks scattered; one new token per sequence."""
+    generator = torch.Generator().manual_seed(1)
+    shape = (CONFIG.layers, CONFIG.kv_heads, num_blocks, block_size, CONFIG.head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    slices = []
+    for length in context_lens:
+        count = -(-length // block_size)
+        slices.append(SequenceSlice(1, length, order[:count]))
+        order = order[count:]
+    ids = torch.randint(CONFIG.vocab, (len(context_lens),), generator=generator)
+    positions = torch.tensor(context_lens) - 1
+    return k_cache, v_cache, slices, ids, positions
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("context_lens", [[1], [40], [5, 16, 17, 70, 33]])
+def test_fused_decode_equals_the_python_layers_and_writes_the_same_cache(dtype, context_lens):
+    model = serving_model(dtype)
+    assert FusedDecode.applies_to(model)
+    k_cache, v_cache, slices, ids, positions = decode_case(dtype, context_lens)
+    rows = torch.arange(len(context_lens))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    with torch.inference_mode():
+        expected = model.forward_packed(ids, positions, PagedAttention(k_ref, v_ref, slices), rows)
+        got = FusedDecode(model)(ids, positions, PagedAttention(k_cache, v_cache, slices), rows)
+    assert torch.equal(got, expected)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_fused_decode_refuses_prefill_steps_and_bad_slots():
+    model = serving_model(torch.float32)
+    k_cache, v_cache, slices, ids, positions = decode_case(torch.float32, [20, 3])
+    with pytest.raises(ValueError, match="decodes only"):
+        FusedDecode(model)(ids, positions, PagedAttention(k_cache, v_cache, [SequenceSlice(2, 20, slices[0].block_table)]),
+                           torch.tensor([1]))
+    attention = PagedAttention(k_cache, v_cache, slices)
+    attention.slot_mapping = torch.tensor([0, 32 * 16])
+    with pytest.raises(RuntimeError, match=r"slots\[1\] = 512: not a slot of the cache"):
+        FusedDecode(model)(ids, positions, attention, torch.arange(2))
+
+
+def test_fused_decode_applies_only_to_a_serving_copy_with_the_kernels():
+    model = Llama(CONFIG).initialize(0.1, torch.Generator().manual_seed(0)).eval()
+    assert not FusedDecode.applies_to(model)
+    odd_heads = LlamaConfig(vocab=96, hidden=64, layers=1, heads=4, kv_heads=2, head_dim=48, ffn_hidden=128, max_seq=64)
+    assert not FusedDecode.applies_to(packed_for_inference(Llama(odd_heads).eval()))  # no paged kernel for head_dim 48
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_outputs_are_the_same_with_and_without_the_fused_decode(dtype):
+    model = Llama(CONFIG).initialize(0.1, torch.Generator().manual_seed(0)).to(dtype).eval()
+    prompts = [[(7 * i + j) % CONFIG.vocab for j in range(5 + 9 * i)] for i in range(6)]
+    outputs = []
+    for fused in (False, True):
+        engine = Engine(model, config=EngineConfig(kv_cache_bytes=4_000_000, fused_decode=fused))
+        assert (engine.fused_decode is not None) == fused
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=12 + i, temperature=0, ignore_eos=True))
+        finished = []
+        while engine.has_work():
+            finished += engine.step()[1]
+        engine.check()
+        outputs.append({output.request_id: output.output_ids for output in finished})
+    assert outputs[0] == outputs[1]
