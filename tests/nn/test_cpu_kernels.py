@@ -31,13 +31,32 @@ def paged_case(dtype, head_dim, heads, kv_heads, lengths, block_size=16, num_blo
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim, heads, kv_heads", [(64, 9, 3), (32, 4, 4), (128, 8, 2)])
 @pytest.mark.parametrize("lengths", [[1], [200], [5, 16, 17, 130, 33]])
-def test_paged_decode_reads_the_blocks_in_place_like_the_gathered_path(dtype, head_dim, heads, kv_heads, lengths):
-    query, k_cache, v_cache, tables = paged_case(dtype, head_dim, heads, kv_heads, lengths)
-    padded, mask, longest = decode_batch(tables, lengths, 16, "cpu")
+@pytest.mark.parametrize("block_size", [8, 16, 48])  # chunks of 16 tokens: part of one, one, three per block
+def test_paged_decode_reads_the_blocks_in_place_like_the_gathered_path(dtype, head_dim, heads, kv_heads, lengths,
+                                                                        block_size):
+    query, k_cache, v_cache, tables = paged_case(dtype, head_dim, heads, kv_heads, lengths, block_size, num_blocks=64)
+    padded, mask, longest = decode_batch(tables, lengths, block_size, "cpu")
     expected = decode_attention(query, k_cache.float(), v_cache.float(), cache_rows(padded, k_cache.shape), mask, longest)
     got = cpu_kernels.load().paged_decode_attention(query, k_cache, v_cache, padded, torch.tensor(lengths),
                                                     head_dim ** -0.5)
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_is_as_accurate_as_torch_fp32_on_peaked_softmaxes(dtype):
+    """Scores spanning hundreds (the online softmax rescales its running sums many times, and weights far
+    below the maximum underflow): fp32 rounding of the scores themselves then moves the weights by ~1e-5,
+    so the kernel is held to the fp32 PyTorch path's own distance from an fp64 reference."""
+    lengths = [700, 3, 333]
+    query, k_cache, v_cache, tables = paged_case(dtype, 64, 8, 2, lengths, num_blocks=80)
+    query = query * 30
+    padded, mask, longest = decode_batch(tables, lengths, 16, "cpu")
+    rows = cache_rows(padded, k_cache.shape)
+    exact = decode_attention(query.double(), k_cache.double(), v_cache.double(), rows, mask, longest)
+    torch_fp32 = decode_attention(query, k_cache.float(), v_cache.float(), rows, mask, longest)
+    got = cpu_kernels.load().paged_decode_attention(query, k_cache, v_cache, padded, torch.tensor(lengths), 0.125)
+    torch_error = (torch_fp32.double() - exact).abs().max().item()
+    assert (got.double() - exact).abs().max().item() <= 2 * torch_error + 1e-6
 
 
 def test_paged_decode_refuses_a_length_past_its_table_or_a_block_outside_the_pool():
