@@ -107,7 +107,7 @@ def test_bf16_weights_run_wide_steps_on_their_exact_fp32_copy():
     without AMX); the copy holds the bf16 values exactly, so all-wide generation is the fp32 model's."""
     import copy
 
-    from mlsyslab.nn.packed_linear import cpu_has_amx
+    from mlsyslab.nn.cpu_kernels import cpu_has_amx
     from tests.serve.tiny import block_bytes, greedy_reference, tiny_model
 
     model = tiny_model(dtype=torch.bfloat16)

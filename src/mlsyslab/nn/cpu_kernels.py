@@ -47,6 +47,11 @@ def cpu_description() -> tuple[str, frozenset[str]]:
     return first("model name"), frozenset(first("flags").split())
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles for bf16 (False where it cannot tell)."""
+    return "amx_bf16" in cpu_description()[1]
+
+
 def cpu_fingerprint() -> str:
     """The CPU's model name and feature flags, hashed: what `-march=native` compiles for."""
     model, flags = cpu_description()

@@ -76,12 +76,7 @@ def plain_rows(dtype: torch.dtype) -> tuple[int, int | None]:
     on the plain weight; the rest on the packed one (measurements in the module docstring)."""
     if dtype == torch.float32:
         return 3, None
-    return 1, (256 if cpu_has_amx() else None)
-
-
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX tiles for bf16 (False where it cannot tell)."""
-    return "amx_bf16" in cpu_kernels.cpu_description()[1]
+    return 1, (256 if cpu_kernels.cpu_has_amx() else None)
 
 
 def can_pack(model: Llama) -> bool:

@@ -34,7 +34,7 @@ from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama
 from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.fused_decode import FusedDecode
-from mlsyslab.nn.packed_linear import can_pack, cpu_has_amx, packed_for_inference
+from mlsyslab.nn.packed_linear import can_pack, packed_for_inference
 from mlsyslab.nn.paged_attention import PagedAttention, SequenceSlice
 from mlsyslab.nn.tokenizer import Tokenizer
 from mlsyslab.serve.kv_cache import KVCache
@@ -104,7 +104,7 @@ class Engine:
             return None, 0
         wide_from = self.config.fp32_steps_from
         if wide_from is None:
-            wide_from = 0 if cpu_has_amx() else 16
+            wide_from = 0 if cpu_kernels.cpu_has_amx() else 16
         if wide_from <= 0:
             return None, 0
         return self.serving_copy(copy.deepcopy(model).float())[0], wide_from

@@ -11,8 +11,7 @@
 // bytes) and no score buffer. Blocks are scattered over the pool, so each walk asks for its first block
 // before it starts and for the next block while one is read. Arithmetic is fp32; a bf16 cache is
 // widened in registers (bf16 is the top half of an fp32), so a bf16 model's cache holds its K/V exactly
-// in half the bytes. Vectors of 16 floats use GCC's vector extensions (one AVX-512 register; the
-// compiler splits them on narrower CPUs). Measured here (bf16, 32 sequences of 170 tokens, SmolLM2's
+// in half the bytes (16-float vectors: vec.h). Measured here (bf16, 32 sequences of 170 tokens, SmolLM2's
 // 30 layers of 9 query / 3 KV heads): 18.5 ms a step with a score buffer and one horizontal sum per
 // token, 10 ms this way with blocks laid out as the engine allocates them, 6.6 ms if the cache fit in
 // the caches — the rest is waiting on memory.
@@ -23,6 +22,7 @@
 #include <torch/library.h>
 
 #include "kernels.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -32,48 +32,7 @@
 
 namespace {
 
-constexpr int kLanes = 16;
-typedef float Floats __attribute__((vector_size(kLanes * 4)));
-typedef int32_t Ints __attribute__((vector_size(kLanes * 4)));
-typedef uint16_t Halves __attribute__((vector_size(kLanes * 2)));
-typedef uint32_t Words __attribute__((vector_size(kLanes * 4)));
-
-inline Floats load(const float* p) { Floats v; std::memcpy(&v, p, sizeof v); return v; }
-
-inline Floats load(const c10::BFloat16* p) {
-  Halves half; std::memcpy(&half, p, sizeof half);
-  Words word = __builtin_convertvector(half, Words) << 16;
-  Floats v; std::memcpy(&v, &word, sizeof v); return v;
-}
-
-inline Floats broadcast(float x) { return Floats{} + x; }
-constexpr Ints kLaneIndex = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-// Horizontal sum and maximum by halving shuffles (a loop over the lanes compiles to 15 dependent steps).
-template <typename Op>
-inline float reduce(Floats v, Op op) {
-  v = op(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-  v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-  v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-  return v[0];
-}
-inline float sum(Floats v) { return reduce(v, [](Floats a, Floats b) { return a + b; }); }
-inline float max(Floats v) { return reduce(v, [](Floats a, Floats b) { return a > b ? a : b; }); }
-
-// e^x for 16 lanes of x <= 0 (scores minus their maximum): x = n·ln2 + r with |r| <= ln2/2, e^r by its
-// degree-6 Taylor polynomial (relative error < 2e-7 on that range), 2^n put into the exponent bits.
-// Below -80 the result is e^-80 (1.8e-35): as a softmax weight beside the maximum's 1, invisible in fp32.
-inline Floats exp_nonpositive(Floats x) {
-  x = x < -80.f ? broadcast(-80.f) : x;
-  const Ints n = __builtin_convertvector(x * 1.44269504f - 0.5f, Ints);  // round to nearest (x·log2e <= 0)
-  const Floats whole = __builtin_convertvector(n, Floats);
-  const Floats r = x - whole * 0.693145751953125f - whole * 1.428606765330187e-06f;  // ln2 split: exact n·ln2_hi
-  Floats p = broadcast(1.f / 720.f);
-  for (const float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = p * r + c;
-  Ints bits; std::memcpy(&bits, &p, sizeof bits);
-  bits += n << 23;
-  Floats v; std::memcpy(&v, &bits, sizeof v); return v;
-}
+using namespace mlsyslab;
 
 // Lane i of the result: the sum of the lanes of v[i]. Four rounds of pairwise shuffle-and-add, each
 // halving the vectors while doubling how many of v are folded into each (45 operations, against 16
@@ -164,7 +123,7 @@ void decode(const float* query, const T* k_cache, const T* v_cache, const int64_
             Softmax<C>& run = state[g];
             const float top = std::max(run.top, max(scores));
             const float rescale = std::exp(run.top - top);
-            weights[g] = in_context ? exp_nonpositive(scores - top) : Floats{};
+            weights[g] = in_context ? exp(scores - top) : Floats{};
             run.top = top;
             run.total = run.total * rescale + sum(weights[g]);
             for (int c = 0; c < C; ++c) run.acc[c] *= rescale;
