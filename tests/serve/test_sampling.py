@@ -28,6 +28,11 @@ def test_unfiltered_sampling_follows_the_softmax():
     assert (observed - expected).abs().max() < 0.03  # ~4 standard errors at 4000 draws
 
 
+def test_unfiltered_sampling_never_draws_an_impossible_token():
+    logits = torch.tensor([[1.0, 2.0, float("-inf"), 0.5, float("-inf")]])
+    assert set(frequencies(logits, temperature=1.0).nonzero().flatten().tolist()) == {0, 1, 3}
+
+
 def test_top_k_top_p_min_p_restrict_the_support():
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05]]))
     assert set(frequencies(logits, top_k=2).nonzero().flatten().tolist()) == {0, 1}
@@ -35,6 +40,20 @@ def test_top_k_top_p_min_p_restrict_the_support():
     assert set(frequencies(logits, min_p=0.3).nonzero().flatten().tolist()) == {0, 1, 2}  # >= 0.3 * 0.4
     kept = frequencies(logits, top_k=3)
     assert kept[0] / kept[1] == pytest.approx(4 / 3, rel=0.15)  # renormalised, proportions kept
+
+
+@pytest.mark.parametrize("sharpness", [8.0, 0.1])  # kept sets inside the sorted candidates, and far beyond
+def test_filters_on_the_top_candidates_draw_what_a_full_sort_draws(sharpness):
+    from mlsyslab.serve.sampling import CANDIDATES, draw_filtered, inverse_cdf, kept
+
+    vocab = 3 * CANDIDATES
+    probs = torch.softmax(torch.randn(6, vocab, generator=torch.Generator().manual_seed(3)) * sharpness, dim=-1)
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_k=40), SamplingParams(min_p=0.01),
+              SamplingParams(top_p=0.5, min_p=0.001), SamplingParams(top_k=CANDIDATES + 7), SamplingParams(top_p=0.99)]
+    uniform = torch.rand(6, 1, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    position = inverse_cdf(sorted_probs * kept(sorted_probs, params, vocab), uniform)
+    assert torch.equal(draw_filtered(probs, params, uniform), order.gather(-1, position[:, None])[:, 0])
 
 
 def test_penalties():

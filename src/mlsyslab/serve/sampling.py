@@ -150,22 +150,76 @@ def apply_penalties(logits: torch.Tensor, row: SamplerInput) -> None:
 
 
 def draw(logits: torch.Tensor, rows: list[SamplerInput]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then inverse-CDF sampling with one uniform per row."""
-    vocab = logits.shape[-1]
+    """Temperature, then top-k / top-p / min-p where a row asks for them, then inverse-CDF sampling with
+    one uniform per row. Rows without filters draw over the vocabulary in its own order: sorting 49k
+    probabilities costs ~1 ms a row here (15 ms a step at 16 rows, half a decode step) and only the
+    filters need the order. Which way a row goes depends on its own options only, so the same seed
+    still gives the same token at any batch composition."""
     temperature = torch.tensor([row.params.temperature for row in rows])[:, None]
     probs = torch.softmax(logits / temperature, dim=-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab)[None, :]
-    top_k = torch.tensor([row.params.top_k if row.params.top_k > 0 else vocab for row in rows])[:, None]
-    top_p = torch.tensor([row.params.top_p for row in rows])[:, None]
-    min_p = torch.tensor([row.params.min_p for row in rows])[:, None]
+    uniform = torch.cat([torch.rand(1, generator=row.generator, dtype=torch.float64) for row in rows])[:, None]
+    tokens = torch.empty(len(rows), dtype=torch.long)
+    filtered = [i for i, row in enumerate(rows) if filters(row.params)]
+    plain = [i for i, row in enumerate(rows) if not filters(row.params)]
+    if plain:
+        tokens[plain] = inverse_cdf(probs[plain], uniform[plain])
+    if filtered:
+        tokens[filtered] = draw_filtered(probs[filtered], [rows[i].params for i in filtered], uniform[filtered])
+    return tokens
+
+
+def filters(params: SamplingParams) -> bool:
+    return params.top_k > 0 or params.top_p < 1 or params.min_p > 0
+
+
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The first token whose cumulative probability exceeds uniform · total, per row; zero-probability
+    tokens (rounding) never picked."""
+    vocab = probs.shape[-1]
+    cumulative = probs.cumsum(dim=-1)
+    threshold = (uniform * cumulative[:, -1:].double()).float()
+    position = torch.searchsorted(cumulative, threshold, right=True).clamp(max=vocab - 1)
+    impossible = probs.gather(-1, position) == 0  # only where rounding ran past the last possible token
+    if impossible.any():
+        last_possible = vocab - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1, keepdim=True)
+        position = torch.where(impossible, last_possible, position)
+    return position[:, 0]
+
+
+def draw_filtered(probs: torch.Tensor, params: list[SamplingParams], uniform: torch.Tensor) -> torch.Tensor:
+    """top-k, top-p and min-p on the probabilities in decreasing order, then `inverse_cdf` there.
+
+    Only the `CANDIDATES` most likely tokens are sorted (`topk`: 2.6 ms for 16 rows of 49k here, a full
+    sort 22 ms) when that provably holds every token the filters keep: top-k within them, top-p's mass
+    reached inside them, min-p's threshold above the last of them. Other rows sort the whole vocabulary."""
+    vocab = probs.shape[-1]
+    width = min(CANDIDATES, vocab)
+    sorted_probs, order = probs.topk(width, dim=-1)
+    keep = kept(sorted_probs, params, vocab)
+    inside = keep[:, -1].logical_not() | (width == vocab)  # the last candidate dropped: the kept set ends inside
+    tokens = torch.empty(len(params), dtype=torch.long)
+    if inside.any():
+        rows = inside.nonzero()[:, 0]
+        position = inverse_cdf(sorted_probs[rows] * keep[rows], uniform[rows])
+        tokens[rows] = order[rows].gather(-1, position[:, None])[:, 0]
+    if not inside.all():
+        rows = inside.logical_not().nonzero()[:, 0]
+        all_sorted, all_order = probs[rows].sort(dim=-1, descending=True)
+        position = inverse_cdf(all_sorted * kept(all_sorted, [params[i] for i in rows.tolist()], vocab), uniform[rows])
+        tokens[rows] = all_order.gather(-1, position[:, None])[:, 0]
+    return tokens
+
+
+CANDIDATES = 1024
+
+
+def kept(sorted_probs: torch.Tensor, params: list[SamplingParams], vocab: int) -> torch.Tensor:
+    """Which of the (decreasing) probabilities top-k, top-p and min-p keep: always a prefix, never empty."""
+    rank = torch.arange(sorted_probs.shape[-1])[None, :]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])[:, None]
+    top_p = torch.tensor([p.top_p for p in params])[:, None]
+    min_p = torch.tensor([p.min_p for p in params])[:, None]
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     keep = (rank < top_k) & (mass_before < top_p) & (sorted_probs >= min_p * sorted_probs[:, :1])
     keep[:, 0] = True  # the most likely token always survives
-    kept = sorted_probs * keep
-    cumulative = kept.cumsum(dim=-1)
-    uniform = torch.cat([torch.rand(1, generator=row.generator, dtype=torch.float64) for row in rows])[:, None]
-    threshold = (uniform * cumulative[:, -1:].double()).float()
-    position = torch.searchsorted(cumulative, threshold, right=True).clamp(max=vocab - 1)
-    position = torch.minimum(position, keep.sum(dim=-1, keepdim=True) - 1)  # rounding never picks a dropped token
-    return order.gather(-1, position)[:, 0]
+    return keep
