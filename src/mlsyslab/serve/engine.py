@@ -12,9 +12,10 @@ runs the same step in a process of its own for the HTTP server.
 
 Cost per step: one pass over the weights (memory-bound at small batches: weight bytes / bandwidth
 is the decode roofline; twin `predict.inference`) plus attention over each request's context.
-Measured on this 2-core machine (SmolLM2-135M, over HTTP, 2026-11-23, with the C++ kernels of
-`nn.cpu_kernels`): batch 1 28-29 tok/s fp32, 38-40 tok/s bf16; bf16 at 16 / 32 in flight 325 / 400-420
-tok/s (benchmarks/README.md; the machine's speed drifts by a third between runs).
+Measured on this 2-core machine (SmolLM2-135M, over HTTP, 2026-11-23 18:26 UTC, with the C++ kernels
+of `nn.cpu_kernels` and the one-call decode step of `nn.fused_decode`): batch 1 36-39 tok/s fp32,
+48-51 tok/s bf16; bf16 at 16 / 32 in flight 360-400 / 480-500 tok/s (benchmarks/README.md; the
+machine's speed drifts by a third between runs).
 Decode-only steps run every layer in one C++ call (`nn.fused_decode`) where the kernels apply.
 Not done: speculative decoding, CUDA graphs / torch.compile, tensor parallelism across processes.
 Tested in tests/serve/test_engine.py (greedy equal to HF transformers at batch 1 and mixed batches).
