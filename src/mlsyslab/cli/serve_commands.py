@@ -24,14 +24,15 @@ ServeThreads = Annotated[Optional[int], typer.Option("--threads", help="torch in
                                                      "(default: every core)")]
 CacheDir = Annotated[Optional[Path], typer.Option("--cache-dir", help="where converted GGUF models are kept")]
 KvCacheGB = Annotated[float, typer.Option("--kv-cache-gb", help="KV cache budget, GB (1e9 bytes)")]
-BatchedTokens = Annotated[int, typer.Option("--max-batched-tokens", help="tokens per step (chunked prefill budget)")]
+BatchedTokens = Annotated[Optional[int], typer.Option("--max-batched-tokens", help="tokens per step (chunked prefill "
+                                                      "budget; default: the engine's, 2048)")]
 
 
 def serve_command(
     model: ModelPath = "default", host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 8000, dtype: ServeDtype = "fp32", threads: ServeThreads = None,
     kv_cache_gb: KvCacheGB = 1.0, block_size: Annotated[int, typer.Option(help="tokens per KV block")] = 16,
-    max_batched_tokens: BatchedTokens = 1024,
+    max_batched_tokens: BatchedTokens = None,
     max_running: Annotated[int, typer.Option(help="requests batched at once")] = 64,
     max_waiting: Annotated[int, typer.Option(help="queue bound; beyond it requests get HTTP 503")] = 256,
     prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="reuse shared prompt prefixes")] = True,
@@ -105,6 +106,8 @@ def serving_threads() -> int:
 def engine_config(kv_cache_gb, block_size, max_batched_tokens, max_running, max_waiting, prefix_cache):
     from mlsyslab.serve.engine import EngineConfig
 
+    if max_batched_tokens is None:
+        max_batched_tokens = EngineConfig.max_batched_tokens
     check_positive(block_size=block_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
                    max_waiting=max_waiting)
     if not kv_cache_gb > 0:
@@ -142,7 +145,7 @@ def bench_serve_command(
     prefix_ablation: Annotated[bool, typer.Option("--prefix-ablation", help="also run with the prefix cache off and print the ratios")] = False,
     seed: Annotated[int, typer.Option(help="workload seed")] = 0,
     dtype: ServeDtype = "fp32", threads: ServeThreads = None, kv_cache_gb: KvCacheGB = 1.0,
-    max_batched_tokens: BatchedTokens = 1024, cache_dir: CacheDir = None, json: Json = False,
+    max_batched_tokens: BatchedTokens = None, cache_dir: CacheDir = None, json: Json = False,
     hardware: Annotated[Optional[str], typer.Option("--hardware", help="also predict the TPOT on this hardware "
                                                     "(local: after `mlsys calibrate --nproc 1 --threads N`)")] = None,
 ):

@@ -52,8 +52,8 @@ class Scheduled:
 class Scheduler:
     """Decides, every step, which requests compute how many tokens; owns their blocks."""
 
-    def __init__(self, kv: KVCache, max_batched_tokens: int = 1024, max_running: int = 64,
-                 max_waiting: int = 256, prefix_cache: bool = True):
+    def __init__(self, kv: KVCache, max_batched_tokens: int, max_running: int, max_waiting: int, prefix_cache: bool):
+        """Limits as `serve.engine.EngineConfig` sets them (its defaults are the engine's)."""
         for name, value in (("max_batched_tokens", max_batched_tokens), ("max_running", max_running),
                             ("max_waiting", max_waiting)):
             if value < 1:
