@@ -87,8 +87,14 @@ def test_config_from_catalog_spec():
 
 
 def test_config_rejects_what_is_not_llama():
-    with pytest.raises(InvalidValue, match="moe"):
-        LlamaConfig.from_spec(catalog.model("mixtral-8x7b"))
+    with pytest.raises(InvalidValue, match="mla"):
+        LlamaConfig.from_spec(catalog.model("DeepSeek-V3"))
+    with pytest.raises(InvalidValue, match="moe"):  # its shared expert and router bias: not built
+        LlamaConfig.from_spec(catalog.model("DeepSeek-V3").model_copy(update={"mla": None}))
+    mixtral = LlamaConfig.from_spec(catalog.model("mixtral-8x7b"))  # plain top-2 of 8 experts: built (nn.moe)
+    assert (mixtral.experts, mixtral.experts_per_token, mixtral.expert_hidden) == (8, 2, 14336)
+    with pytest.raises(InvalidValue, match="experts"):
+        mixtral.to_hf()
     with pytest.raises(InvalidValue, match="kv_heads"):
         LlamaConfig(**{**TINY, "kv_heads": 3})
     with pytest.raises(InvalidValue, match="rope_type"):

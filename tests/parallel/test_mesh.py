@@ -1,7 +1,9 @@
-"""Parallelisms composed on a mesh: the first 10 losses of DP2 × PP2 × TP2 (8 ranks) and of DP2 × CP2
-(4 ranks) equal the single-process run's; impossible layouts are rejected with the reason."""
+"""Parallelisms composed on a mesh: the first 10 losses of DP2 × PP2 × TP2 (8 ranks), of DP2 × CP2
+(4 ranks) and of an MoE model on DP4 with EP2 (4 ranks) equal the single-process run's; impossible
+layouts are rejected with the reason."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -9,10 +11,12 @@ import torch
 from mlsyslab.comm.launch import spawn
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama, LlamaConfig
+from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, load_balancing_loss
 from mlsyslab.parallel.mesh import MeshLayout, build_mesh, composed_step, prepare
 
 CONFIG = LlamaConfig(vocab=64, hidden=32, layers=4, heads=4, kv_heads=2, head_dim=8, ffn_hidden=48, tied_embeddings=False,
                      max_seq=64)
+MOE = dataclasses.replace(CONFIG, experts=4, experts_per_token=2, dense_layers=1)
 STEPS, BATCH, SEQ, MICROBATCHES = 10, 8, 16, 2
 
 
@@ -21,8 +25,8 @@ def _batch(step):
     return ids[:, :-1], ids[:, 1:]
 
 
-def _model():
-    return Llama(CONFIG).initialize(generator=torch.Generator().manual_seed(7)).double()
+def _model(config=CONFIG):
+    return Llama(config).initialize(generator=torch.Generator().manual_seed(7)).double()
 
 
 def _optimizer(model):
@@ -43,10 +47,30 @@ def _single_process():
     return losses
 
 
-def _composed(rank, layout):
-    layout.validate(CONFIG, rank.world_size, SEQ, MICROBATCHES)
+def _moe_single_process(shards):
+    """One process, the global batch in `shards` parts whose gradients accumulate: what data parallelism
+    computes for an MoE model, each part routed on its own (expert capacity and the load-balancing
+    loss are per rank's tokens under DP, as in Megatron-LM and DeepSpeed-MoE)."""
+    model = _model(MOE)
+    optimizer = _optimizer(model)
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        total = 0.0
+        for inputs, targets in zip(*(part.chunk(shards) for part in _batch(step))):
+            loss = torch.nn.functional.cross_entropy(model(inputs).reshape(-1, MOE.vocab), targets.reshape(-1))
+            loss = loss + AUX_LOSS_WEIGHT * load_balancing_loss(model)
+            (loss / shards).backward()
+            total += loss.item() / shards
+        optimizer.step()
+        losses.append(total)
+    return losses
+
+
+def _composed(rank, layout, config=CONFIG):
+    layout.validate(config, rank.world_size, SEQ, MICROBATCHES)
     mesh = build_mesh(rank, layout)
-    model, pipeline = prepare(copy.deepcopy(_model()), mesh, MICROBATCHES)
+    model, pipeline = prepare(copy.deepcopy(_model(config)), mesh, MICROBATCHES)
     optimizer = _optimizer(model)
     losses = []
     for step in range(STEPS):
@@ -63,9 +87,24 @@ def test_composed_losses_equal_the_single_process_run(layout, world):
         assert losses == pytest.approx(reference, rel=1e-9)
 
 
+@pytest.mark.parametrize("layout", [MeshLayout(dp=4, ep=2), MeshLayout(dp=2, ep=2)])
+def test_expert_parallel_inside_data_parallel_equals_the_single_process_run(layout):
+    reference = _moe_single_process(layout.dp)
+    for losses in spawn(_composed, layout.dp, layout, MOE, timeout_s=300):
+        assert losses == pytest.approx(reference, rel=1e-9)
+
+
 @pytest.mark.parametrize("layout, field", [(MeshLayout(dp=3), "layout"), (MeshLayout(tp=3, dp=1), "layout"),
-                                           (MeshLayout(tp=8), "tp"), (MeshLayout(pp=8), "pp"), (MeshLayout(cp=16), "cp")])
+                                           (MeshLayout(tp=8), "tp"), (MeshLayout(pp=8), "pp"), (MeshLayout(cp=16), "cp"),
+                                           (MeshLayout(dp=2, ep=2), "ep")])  # a dense model has no experts to split
 def test_impossible_layouts_are_rejected(layout, field):
     world = layout.dp * layout.pp * layout.cp * layout.tp if field != "layout" else 8
     with pytest.raises(InvalidValue, match=field):
         layout.validate(CONFIG, world, SEQ, MICROBATCHES)
+
+
+@pytest.mark.parametrize("layout, field", [(MeshLayout(dp=4, ep=3), "ep"), (MeshLayout(dp=8, ep=8), "ep"),
+                                           (MeshLayout(dp=2, tp=2, ep=2), "tp, pp, cp")])
+def test_impossible_expert_layouts_are_rejected(layout, field):
+    with pytest.raises(InvalidValue, match=field):
+        layout.validate(MOE, layout.dp * layout.tp, SEQ, MICROBATCHES)

@@ -47,7 +47,7 @@ def mlsys(*args, **kwargs):
     (["--tp", "3"], "layout"),  # dp·pp·cp·tp must equal nproc
     (["--tp", "2", "--nproc", "4", "--dp", "1"], "layout"),
     (["--pp", "2", "--global-batch", "2"], "microbatches"),  # fewer microbatches than stages
-    (["--ep", "2"], "ep"),
+    (["--ep", "2"], "ep"),  # a dense model has no experts to split
     (["--pp", "2", "--strategy", "zero2"], "strategy"),  # ZeRO-2/3 only with TP and DP inside the mesh
     (["--cp", "2", "--strategy", "zero3"], "strategy"),
     (["--pp", "2", "--schedule", "pipedream"], "schedule"),
@@ -143,6 +143,21 @@ def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny):
             assert bubble["predicted"] == pytest.approx(1 / 5) and 0 < bubble["measured"] < 1
         if "--cp" in args:  # K/V around the ring and the weights' gradients summed over the CP group
             assert wire["context_parallel"]["measured"] == pytest.approx(wire["context_parallel"]["predicted"])
+
+
+def test_expert_parallel_training_equals_data_parallel_and_sends_the_routed_tokens(tmp_path):
+    """An MoE model on 2 ranks: with --ep 2 each rank holds 2 of the 4 experts and the routed tokens
+    cross over, and the losses equal plain DP's (each rank's tokens routed the same way either way);
+    the all-to-all bytes are predict's balanced-routing estimate up to the actual routing."""
+    spec = tmp_path / "moe.yaml"
+    spec.write_text(TINY.replace("name: llama-tiny", "name: llama-tiny-moe")
+                    + "moe:\n  experts: 4\n  experts_per_token: 2\n  expert_ffn_hidden: 32\n")
+    reference = _train_json(spec, "--steps", "3")
+    assert reference["predicted_vs_measured"]["wire_bytes_per_step"].get("expert_parallel") is None
+    report = _train_json(spec, "--ep", "2", "--steps", "3")
+    assert report["result"]["losses"] == pytest.approx(reference["result"]["losses"], rel=1e-6)
+    wire = report["predicted_vs_measured"]["wire_bytes_per_step"]["expert_parallel"]
+    assert wire["predicted"] > 0 and 0.5 < wire["measured"] / wire["predicted"] < 1.5, wire
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])

@@ -40,7 +40,7 @@ def train_command(
     tp: Annotated[int, typer.Option("--tp", help="tensor-parallel ranks (Megatron column/row split)")] = 1,
     pp: Annotated[int, typer.Option("--pp", help="pipeline stages")] = 1,
     cp: Annotated[int, typer.Option("--cp", help="context-parallel ranks (ring attention)")] = 1,
-    ep: Annotated[int, typer.Option("--ep", help="expert-parallel ranks (MoE models only; none in the mesh yet)")] = 1,
+    ep: Annotated[int, typer.Option("--ep", help="expert-parallel ranks, inside --dp (MoE models)")] = 1,
     dp: Annotated[Optional[int], typer.Option("--dp", help="data-parallel ranks (default: nproc / (tp·pp·cp))")] = None,
     schedule: Annotated[str, typer.Option(help="pipeline schedule: gpipe, 1f1b or interleaved")] = "1f1b",
     microbatches: Annotated[Optional[int], typer.Option("--microbatches", help="microbatches per step per data-parallel rank (sets --micro-batch)")] = None,

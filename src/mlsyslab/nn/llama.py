@@ -2,8 +2,9 @@
 
 Architecture (Touvron et al. 2023, "LLaMA"; GQA from Ainslie et al. 2023): token embedding, then
 `layers` pre-norm blocks of grouped-query attention with rotary position embeddings (Su et al.
-2021, base `rope_theta`) and a SwiGLU MLP (Shazeer 2020), RMSNorm (Zhang & Sennrich 2019) before
-each and at the end, and an output head that may share the embedding matrix (tied embeddings).
+2021, base `rope_theta`) and a SwiGLU MLP (Shazeer 2020) — or, with `experts` > 0, a mixture of
+SwiGLU experts from layer `dense_layers` on (`nn.moe`, as Mixtral / DeepSeek-MoE) — RMSNorm (Zhang &
+Sennrich 2019) before each and at the end, and an output head that may share the embedding matrix.
 Parameter names equal Hugging Face's `LlamaForCausalLM` with the `model.` prefix dropped, so an HF
 state dict loads with a rename (`nn.hf_loader`).
 
@@ -50,6 +51,11 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     tied_embeddings: bool = True
     max_seq: int = 2048
+    experts: int = 0  # 0: dense MLPs; else each layer from `dense_layers` on has an MoE MLP of this many experts
+    experts_per_token: int = 2
+    expert_ffn_hidden: int = 0  # 0: ffn_hidden
+    dense_layers: int = 0
+    capacity_factor: float = 1.25  # expert capacity, in multiples of a balanced share of routed tokens
 
     def __post_init__(self):
         for name in ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn_hidden", "max_seq"):
@@ -64,6 +70,13 @@ class LlamaConfig:
             raise InvalidValue("rope_theta", self.rope_theta, "> 0")
         if not self.rms_norm_eps > 0:
             raise InvalidValue("rms_norm_eps", self.rms_norm_eps, "> 0")
+        if self.experts:
+            if not 1 <= self.experts_per_token <= self.experts:
+                raise InvalidValue("experts_per_token", self.experts_per_token, f"1..experts={self.experts}")
+            if not 0 <= self.dense_layers <= self.layers:
+                raise InvalidValue("dense_layers", self.dense_layers, f"0..layers={self.layers}")
+            if not self.capacity_factor > 0:
+                raise InvalidValue("capacity_factor", self.capacity_factor, "> 0")
 
     @classmethod
     def from_spec(cls, spec, rope_theta: float = 10000.0, rms_norm_eps: float = 1e-5) -> LlamaConfig:
@@ -71,25 +84,37 @@ class LlamaConfig:
         unsupported = {
             "norm": spec.norm != "rmsnorm", "gated_mlp": not spec.gated_mlp, "linear_bias": spec.linear_bias,
             "qkv_bias": spec.qkv_bias, "qk_norm": spec.qk_norm, "learned_positions": spec.learned_positions,
-            "moe": spec.moe is not None, "mla": spec.mla is not None,
+            "mla": spec.mla is not None,
+            "moe": spec.moe is not None and (spec.moe.shared_experts > 0 or spec.moe.router_bias),
         }
         for field, present in unsupported.items():
             if present:
                 raise InvalidValue(field, getattr(spec, field), "the Llama architecture (rmsnorm, gated MLP, no biases, "
-                                   "no qk-norm, rotary positions, dense, no latent attention)", f"model {spec.name}")
+                                   "no qk-norm, rotary positions, no latent attention; experts without shared "
+                                   "experts or router bias)", f"model {spec.name}")
+        moe = {} if spec.moe is None else dict(
+            experts=spec.moe.experts, experts_per_token=spec.moe.experts_per_token,
+            expert_ffn_hidden=spec.moe.expert_ffn_hidden, dense_layers=spec.moe.dense_layers)
         return cls(vocab=spec.vocab, hidden=spec.hidden, layers=spec.layers, heads=spec.heads,
                    kv_heads=spec.num_kv_heads, head_dim=spec.attention_head_dim, ffn_hidden=spec.ffn_hidden,
                    rope_theta=rope_theta, rms_norm_eps=rms_norm_eps, tied_embeddings=spec.tied_embeddings,
-                   max_seq=spec.max_seq)
+                   max_seq=spec.max_seq, **moe)
 
     def to_spec(self, name: str, parameters: int, source: str):
         """This architecture as a catalog `specs.schema.Model`, for predict's twins of what nn/ runs."""
-        from mlsyslab.specs.schema import Model
+        from mlsyslab.specs.schema import MixtureOfExperts, Model
 
+        moe = None if not self.experts else MixtureOfExperts(
+            experts=self.experts, experts_per_token=self.experts_per_token, expert_ffn_hidden=self.expert_hidden,
+            dense_layers=self.dense_layers)
         return Model(name=name, source=source, family="llama", hidden=self.hidden, layers=self.layers,
                      heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim, ffn_hidden=self.ffn_hidden,
                      vocab=self.vocab, tied_embeddings=self.tied_embeddings, max_seq=self.max_seq,
-                     published_params=parameters)
+                     published_params=parameters, moe=moe)
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.expert_ffn_hidden or self.ffn_hidden
 
     @classmethod
     def from_hf(cls, hf) -> LlamaConfig:
@@ -119,6 +144,8 @@ class LlamaConfig:
 
     def to_hf(self) -> dict:
         """The config.json Hugging Face's LlamaForCausalLM reads for this shape."""
+        if self.experts:
+            raise InvalidValue("experts", self.experts, "0: HF's LlamaForCausalLM is dense")
         return {
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": self.vocab,
             "hidden_size": self.hidden, "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
@@ -150,7 +177,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab, config.hidden)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, index) for index in range(config.layers))
         self.norm = RMSNorm(config.hidden, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
         if config.tied_embeddings:
@@ -199,10 +226,16 @@ class Llama(nn.Module):
 class DecoderLayer(nn.Module):
     """x + attention(norm(x)), then + mlp(norm(x)); names as in HF (`self_attn`, `mlp`, two norms)."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, index: int = 0):
         super().__init__()
         self.self_attn = Attention(config)
-        self.mlp = SwiGLU(config.hidden, config.ffn_hidden)
+        if config.experts and index >= config.dense_layers:
+            from mlsyslab.nn.moe import MixtureOfExperts  # nn.moe builds its experts from this file's SwiGLU
+
+            self.mlp = MixtureOfExperts(config.hidden, config.expert_hidden, config.experts, config.experts_per_token,
+                                        config.capacity_factor)
+        else:
+            self.mlp = SwiGLU(config.hidden, config.ffn_hidden)
         self.input_layernorm = RMSNorm(config.hidden, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden, config.rms_norm_eps)
 

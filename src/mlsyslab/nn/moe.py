@@ -55,14 +55,28 @@ class MixtureOfExperts(nn.Module):
         aux = self.experts_count * (fraction * probabilities.mean(0)).sum()
         return Routing(expert[kept], token[kept], weight[kept], int((~kept).sum()), aux)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The mixture's output for x [..., hidden], plus `residual` when given (as `SwiGLU.forward`)."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         routing = self.route(tokens)
         self.last_routing = routing
         counts = torch.bincount(routing.expert, minlength=self.experts_count).tolist()
         outputs = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, tokens[routing.token].split(counts))])
-        return combine(tokens, routing, outputs).reshape(shape)
+        out = combine(tokens, routing, outputs).reshape(shape)
+        return out if residual is None else residual + out
+
+
+AUX_LOSS_WEIGHT = 0.01  # α of the Switch Transformer (Fedus et al. 2021, §2.2), added to the language-model loss
+
+
+def load_balancing_loss(model: nn.Module) -> torch.Tensor | None:
+    """The mean auxiliary loss of the model's MoE layers in its last forward (None for a dense model).
+    Each layer's is over the tokens it routed: under data parallelism, one rank's (as Megatron-LM and
+    DeepSpeed-MoE compute it)."""
+    losses = [module.last_routing.aux_loss for module in model.modules()
+              if isinstance(module, MixtureOfExperts) and module.last_routing is not None]
+    return torch.stack(losses).mean() if losses else None
 
 
 def combine(tokens: torch.Tensor, routing: Routing, expert_outputs: torch.Tensor) -> torch.Tensor:

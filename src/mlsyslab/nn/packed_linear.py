@@ -81,7 +81,7 @@ def plain_rows(dtype: torch.dtype) -> tuple[int, int | None]:
 
 def can_pack(model: Llama) -> bool:
     """oneDNN packing applies to fp32 / bf16 weights on a CPU with a oneDNN-enabled torch."""
-    if not isinstance(model.lm_head, nn.Linear):  # already packed
+    if not isinstance(model.lm_head, nn.Linear) or model.config.experts:  # already packed, or MoE (not packed yet)
         return False
     weight = model.lm_head.weight
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):

@@ -34,7 +34,8 @@ class ExpertParallel(torch.nn.Module):
         self.first = rank.rank * self.local
         layer.experts = torch.nn.ModuleList(layer.experts[self.first: self.first + self.local])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output for this rank's tokens x [..., hidden], plus `residual` when given."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         routing = self.layer.route(tokens)
@@ -54,7 +55,8 @@ class ExpertParallel(torch.nn.Module):
         computed = torch.cat([expert(chunk) for expert, chunk in zip(self.layer.experts, arrived[order].split(counts))])
         outputs = torch.empty_like(computed).index_copy(0, order, computed)
         returned = _AllToAll.apply(outputs, send, receive, self.rank, self.log)
-        return combine(tokens, routing, returned).reshape(shape)
+        out = combine(tokens, routing, returned).reshape(shape)
+        return out if residual is None else residual + out
 
 
 class _AllToAll(torch.autograd.Function):

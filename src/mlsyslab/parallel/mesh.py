@@ -1,17 +1,25 @@
-"""Composing the parallelisms on a device mesh: DP × PP × CP × TP (Narayanan et al. 2021, "3D").
+"""Composing the parallelisms on a device mesh: DP × PP × CP × TP (Narayanan et al. 2021, "3D"), and EP
+inside DP.
 
 The ranks form a mesh of shape (pp, dp, cp, tp) — tensor parallelism innermost, so its frequent
 collectives stay inside a node, pipeline outermost, as Megatron-Core orders them — built with
 torch's `init_device_mesh`. Each rank gets a `Rank` per dimension (its index and process group
-there). A layout that cannot work is rejected before anything starts, naming the dimension and why.
+there). Expert parallelism splits the data-parallel dimension, as DeepSpeed-MoE and Megatron-Core do:
+each DP group is cut into EP groups of `ep` consecutive ranks that share their MoE layers' experts
+(each holds E/ep of them, parallel/expert.py) while every rank keeps its own batch rows; the ranks that
+hold the same experts in different EP groups form the expert-data-parallel group (`edp`, dp/ep ranks).
+A layout that cannot work is rejected before anything starts, naming the dimension and why.
 `composed_step` runs one training step of the nn/ Llama with all of them: TP splits each layer,
 PP runs the 1F1B schedule between the stages (vocab-parallel loss on the last), CP shards the
-sequence with ring attention (its gradients summed over the CP group), and DP averages the gradients.
+sequence with ring attention (its gradients summed over the CP group), EP exchanges each MoE layer's
+routed tokens inside its group, and DP averages the gradients — expert weights over their `edp` group,
+since an expert's gradient already sums the tokens every rank of its EP group sent it.
 Held against the single-process model in tests/parallel/test_mesh.py (DP2 × PP2 × TP2 on 8 ranks,
-DP2 × CP2 on 4). `mlsys train --tp/--pp/--cp/--dp` runs it (train.trainer.train_on_mesh); given
-`logs` (a CommLog per dimension), every byte each dimension sends is counted there. Not done: EP
-inside the mesh (parallel/expert.py works on its own group); ZeRO along DP is stage 1 only (the
-trainer wraps the rank's parameters in parallel.zero and reduces after the step).
+DP2 × CP2 on 4, an MoE model on DP4 with EP2 and on DP2 with EP2). `mlsys train --tp/--pp/--cp/--dp`
+runs it (train.trainer.train_on_mesh); given `logs` (a CommLog per dimension), every byte each
+dimension sends is counted there. Not done: MoE models with TP, PP or CP (an MoE model runs DP × EP
+only); ZeRO along DP is stage 1 only (the trainer wraps the rank's parameters in parallel.zero and
+reduces after the step).
 """
 
 from dataclasses import dataclass, replace
@@ -26,7 +34,9 @@ from mlsyslab.comm.log import CommLog, nbytes, traced
 from mlsyslab.comm.p2p import Wire
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama
+from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, MixtureOfExperts, load_balancing_loss
 from mlsyslab.parallel.context import ring_attention, zigzag_layout
+from mlsyslab.parallel.expert import ExpertParallel
 from mlsyslab.parallel.pipeline import PipelineRank, mean_cross_entropy
 from mlsyslab.parallel.schedules import build
 from mlsyslab.parallel.tensor import TensorGroup, parallelize_llama, vocab_parallel_cross_entropy
@@ -40,6 +50,7 @@ class MeshLayout:
     pp: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # inside dp: ep consecutive DP ranks share the experts
 
     def validate(self, model_config, world_size: int, seq: int, microbatches: int) -> None:
         """Raise InvalidValue for the first rule the layout breaks."""
@@ -56,6 +67,15 @@ class MeshLayout:
                 raise InvalidValue(name, getattr(self, name), f"a divisor of the {divides} {what}")
         if self.cp > 1 and (self.tp > 1 or self.pp > 1):
             raise InvalidValue("cp", self.cp, "1 when tp or pp > 1 (this composition runs CP with DP only)")
+        if self.ep > 1 and not model_config.experts:
+            raise InvalidValue("ep", self.ep, "1 for a dense model (no expert layers to split)")
+        for name, value, divides, what in (("ep", self.ep, self.dp, "data-parallel ranks (EP splits DP)"),
+                                           ("ep", self.ep, model_config.experts or 1, "experts")):
+            if divides % value:
+                raise InvalidValue(name, value, f"a divisor of the {divides} {what}")
+        if model_config.experts and max(self.tp, self.pp, self.cp) > 1:
+            raise InvalidValue("tp, pp, cp", f"{self.tp}, {self.pp}, {self.cp}",
+                               "1 for an MoE model (this composition runs experts with DP × EP only)")
         if microbatches < self.pp:
             raise InvalidValue("microbatches", microbatches, f">= pp={self.pp} to fill the pipeline")
 
@@ -67,17 +87,27 @@ class MeshRanks:
     dp: Rank
     cp: Rank
     tp: Rank
+    ep: Rank  # the DP ranks sharing this rank's experts
+    edp: Rank  # the DP ranks holding the same experts as this one
 
 
 def build_mesh(rank: Rank, layout: MeshLayout) -> MeshRanks:
-    """This rank's place in each dimension of the (pp, dp, cp, tp) mesh."""
+    """This rank's place in each dimension of the (pp, dp, cp, tp) mesh, and in EP and EDP inside DP."""
     mesh = init_device_mesh(rank.device.type, tuple(getattr(layout, d) for d in DIMENSIONS), mesh_dim_names=DIMENSIONS)
-    ranks = {}
-    for name in DIMENSIONS:
-        group = mesh.get_group(name)
-        ranks[name] = replace(rank, rank=mesh.get_local_rank(name), world_size=dist.get_world_size(group), group=group,
-                              peers=tuple(dist.get_process_group_ranks(group)))
+    ranks = {name: _rank_in(rank, mesh.get_group(name), mesh.get_local_rank(name)) for name in DIMENSIONS}
+    dp_lines = mesh.mesh.permute(0, 2, 3, 1).reshape(-1, layout.dp).tolist()  # every DP group, in DP order
+    ep, edp = layout.ep, layout.dp // layout.ep
+    # new_subgroups_by_enumeration makes every group on every rank (in one order) and returns this rank's
+    ranks["ep"] = _rank_in(rank, dist.new_subgroups_by_enumeration(
+        [line[i * ep:(i + 1) * ep] for line in dp_lines for i in range(edp)])[0])
+    ranks["edp"] = _rank_in(rank, dist.new_subgroups_by_enumeration(
+        [line[j::ep] for line in dp_lines for j in range(ep)])[0])
     return MeshRanks(layout, **ranks)
+
+
+def _rank_in(rank: Rank, group, local: int | None = None) -> Rank:
+    return replace(rank, rank=dist.get_rank(group) if local is None else local, world_size=dist.get_world_size(group),
+                   group=group, peers=tuple(dist.get_process_group_ranks(group)))
 
 
 def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
@@ -87,7 +117,8 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
 
     `inputs`/`targets` are the global batch [B, s]; DP takes rows, CP takes zig-zag columns, PP splits
     the DP share into `microbatches`. Gradients end summed over CP and, unless `reduce_data_parallel`
-    is False (ZeRO reduces them itself), averaged over DP on every rank.
+    is False (ZeRO reduces them itself), averaged over DP on every rank. An MoE model's loss includes
+    `AUX_LOSS_WEIGHT` times its load-balancing loss (over each rank's own tokens).
     """
     layout, logs = mesh.layout, logs or {}
     rows = inputs.chunk(layout.dp)[mesh.dp.rank], targets.chunk(layout.dp)[mesh.dp.rank]
@@ -110,15 +141,23 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
         local.backward()
         loss = local.detach().clone()
         dist.all_reduce(loss, group=mesh.cp.group)
-        _all_reduce_gradients(model, mesh.cp, average=False, log=logs.get("context_parallel"))
+        _all_reduce_gradients(model.parameters(), mesh.cp, divisor=1, log=logs.get("context_parallel"))
     else:
         logits = model(rows[0])
         loss = vocab_parallel_cross_entropy(logits, rows[1], TensorGroup(mesh.tp, logs.get("tensor_parallel"))) \
             if layout.tp > 1 else mean_cross_entropy(logits, rows[1])
+        balance = load_balancing_loss(model)
+        if balance is not None:
+            loss = loss + AUX_LOSS_WEIGHT * balance
         loss.backward()
         loss = loss.detach()
     if reduce_data_parallel:
-        _all_reduce_gradients(model, mesh.dp, average=True, log=logs.get("data_parallel"))
+        experts = {id(p) for module in model.modules() if isinstance(module, ExpertParallel)
+                   for p in module.layer.experts.parameters()}
+        _all_reduce_gradients([p for p in model.parameters() if id(p) not in experts], mesh.dp, divisor=layout.dp,
+                              log=logs.get("data_parallel"))
+        _all_reduce_gradients([p for p in model.parameters() if id(p) in experts], mesh.edp, divisor=layout.dp,
+                              log=logs.get("data_parallel"))
     dist.all_reduce(loss, group=mesh.dp.group)
     return loss.item() / layout.dp
 
@@ -130,6 +169,10 @@ def prepare(model: Llama, mesh: MeshRanks, microbatches: int, schedule: str = "1
     tp = TensorGroup(mesh.tp, logs.get("tensor_parallel"))
     if layout.tp > 1:
         parallelize_llama(model, tp)
+    if layout.ep > 1:
+        for layer in model.layers:
+            if isinstance(layer.mlp, MixtureOfExperts):
+                layer.mlp = ExpertParallel(layer.mlp, mesh.ep, logs.get("expert_parallel"))
     if layout.pp == 1:
         return model, None
     loss = (lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp)) if layout.tp > 1 else None
@@ -138,15 +181,15 @@ def prepare(model: Llama, mesh: MeshRanks, microbatches: int, schedule: str = "1
     return model, pipeline
 
 
-def _all_reduce_gradients(model, rank: Rank, average: bool, log: CommLog | None = None) -> None:
-    if rank.world_size == 1:
-        return
-    for parameter in model.parameters():
+def _all_reduce_gradients(parameters, rank: Rank, divisor: int, log: CommLog | None = None) -> None:
+    """Each gradient summed over `rank`'s group, then divided by `divisor`."""
+    for parameter in parameters:
         if parameter.grad is not None:
-            traced(log, "all_reduce", nbytes(parameter.grad), rank.world_size, dist.all_reduce, parameter.grad,
-                   group=rank.group)
-            if average:
-                parameter.grad /= rank.world_size
+            if rank.world_size > 1:
+                traced(log, "all_reduce", nbytes(parameter.grad), rank.world_size, dist.all_reduce, parameter.grad,
+                       group=rank.group)
+            if divisor != 1:
+                parameter.grad /= divisor
 
 
 def _sum_tied_embedding_gradient(model: Llama, pp: Rank, log: CommLog | None) -> None:

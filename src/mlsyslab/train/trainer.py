@@ -9,13 +9,14 @@ category (from the tensors), activations saved for backward, bytes sent per op (
 the time per step. Launched by `mlsys train` through torchrun (train/worker.py).
 
 With --tp / --pp / --cp > 1 the same loop runs `parallel.mesh.composed_step` on a device mesh
-(DP × PP × CP × TP; `train_on_mesh`) and measures the bytes each dimension sends and, under PP, the
-bubble of the executed timeline, for `verify.training.compare_mesh_training`; `--strategy zero1`
-shards the optimizer state along DP, and zero2 / zero3 also the gradients / weights (with --tp and
---dp only). Not done yet: ZeRO-2/3 with PP or CP (they reduce inside each backward, before the
-pipeline's and the ring's gradient sums), bf16, offload and checkpoints inside the mesh, and EP
-(the catalog's models are dense; EP runs on its own in parallel/expert.py) — each is rejected
-before launch.
+(DP × PP × CP × TP, with EP inside DP; `train_on_mesh`) and measures the bytes each dimension sends
+and, under PP, the bubble of the executed timeline, for `verify.training.compare_mesh_training`;
+`--strategy zero1` shards the optimizer state along DP, and zero2 / zero3 also the gradients / weights
+(with --tp and --dp only). An MoE model (a catalog spec with `moe`, e.g. from --model-spec) always
+takes the mesh trainer, which adds its load-balancing loss; --ep splits its experts over the DP ranks.
+Not done yet: ZeRO-2/3 with PP or CP (they reduce inside each backward, before the pipeline's and the
+ring's gradient sums), ZeRO for MoE models, MoE with TP, PP or CP, bf16, offload and checkpoints
+inside the mesh — each is rejected before launch.
 """
 
 import statistics
@@ -71,7 +72,8 @@ class TrainConfig:
 
     @property
     def on_mesh(self) -> bool:
-        return self.tp * self.pp * self.cp * self.ep > 1
+        """The mesh trainer: any model parallelism, or an MoE model (its loss adds the load-balancing term)."""
+        return self.tp * self.pp * self.cp * self.ep > 1 or bool(self.model.get("moe"))
 
     @property
     def zero_stage(self) -> int:
@@ -115,7 +117,7 @@ class TrainConfig:
             raise InvalidValue("seq", self.seq, f"<= the {spec.max_seq}-token context of {spec.name}")
         model = LlamaConfig.from_spec(spec)  # raises for an architecture nn/ does not build
         if self.on_mesh:
-            MeshLayout(dp, self.pp, self.cp, self.tp).validate(model, self.nproc, self.seq, self.microbatches)
+            MeshLayout(dp, self.pp, self.cp, self.tp, self.ep).validate(model, self.nproc, self.seq, self.microbatches)
             if self.pp > 1:
                 if model.layers % (self.pp * self.interleave):
                     raise InvalidValue("interleave", self.interleave,
@@ -124,18 +126,20 @@ class TrainConfig:
 
     def _validate_mesh(self) -> None:
         """What the mesh trainer does not do yet, named before launch."""
-        if self.ep > 1:
-            raise InvalidValue("ep", self.ep, "1: the catalog's models are dense (no expert layers); expert "
-                                              "parallelism runs on its own (parallel/expert.py), not yet in the mesh")
+        if self.model.get("moe") and self.strategy != "ddp":
+            raise InvalidValue("strategy", self.strategy, "ddp for an MoE model (ZeRO would treat the experts each "
+                                                          "EP rank holds as replicated: not built yet)")
         if self.strategy in ("zero2", "zero3") and (self.pp > 1 or self.cp > 1):
             raise InvalidValue("strategy", self.strategy, "ddp or zero1 when pp or cp > 1 (ZeRO-2/3 reduce inside every "
                                                           "backward, before the pipeline's and the CP ring's gradient "
                                                           "sums: not built yet); zero2/zero3 run with --tp and --dp")
         for name in ("bf16", "offload", "resume"):
             if getattr(self, name):
-                raise InvalidValue(name, True, "off when tp, pp or cp > 1 (not built inside the mesh yet)")
+                raise InvalidValue(name, True, "off when tp, pp, cp or ep > 1 or the model is MoE "
+                                               "(not built inside the mesh yet)")
         if self.checkpoint_dir:
-            raise InvalidValue("checkpoint_dir", self.checkpoint_dir, "none when tp, pp or cp > 1 (not built inside the mesh yet)")
+            raise InvalidValue("checkpoint_dir", self.checkpoint_dir, "none when tp, pp, cp or ep > 1 or the model is "
+                                                                      "MoE (not built inside the mesh yet)")
         if self.schedule not in MESH_SCHEDULES:
             raise InvalidValue("schedule", self.schedule, ", ".join(MESH_SCHEDULES))
         if self.interleave > 1 and self.schedule != "interleaved":
@@ -241,9 +245,10 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
     """The loop above on a DP × PP × CP × TP mesh: every rank reads the global batch and
     `composed_step` takes its share; AdamW steps on the parameters this rank holds."""
     torch.manual_seed(config.seed)
-    logs = {dimension: CommLog() for dimension in ("tensor_parallel", "pipeline_p2p", "context_parallel", "data_parallel")}
+    logs = {dimension: CommLog() for dimension in ("tensor_parallel", "expert_parallel", "pipeline_p2p",
+                                                    "context_parallel", "data_parallel")}
     model = build_model(config, torch.float32)
-    mesh = build_mesh(rank, MeshLayout(config.data_parallel, config.pp, config.cp, config.tp))
+    mesh = build_mesh(rank, MeshLayout(config.data_parallel, config.pp, config.cp, config.tp, config.ep))
     model, pipeline = prepare(model, mesh, config.microbatches, config.schedule, config.interleave, logs)
     module = pipeline.chunks if pipeline is not None else model
     held = list(module.parameters())

@@ -75,21 +75,24 @@ def _ratio(measured, predicted):
 
 def compare_mesh_training(config, result: dict, hardware: Hardware | None = None,
                           assumptions: Assumptions = DEFAULT) -> dict:
-    """A --tp/--pp/--cp run beside predict.training on the same layout: bytes each dimension sends per
+    """A --tp/--pp/--cp/--ep run beside predict.training on the same layout: bytes each dimension sends per
     step on rank 0, the pipeline bubble (analytic vs executed timeline), and the step time when
     `hardware` is given. Bytes and bubble do not depend on the hardware: without one they are taken
     from an fp32 prediction on a catalog system (DGX-H100), whose times are not shown."""
     from mlsyslab.specs import catalog
 
     spec = Model(**config.model)
-    layout = Layout.of(dp=config.data_parallel, tp=config.tp, pp=config.pp, cp=config.cp, zero=config.zero_stage,
+    layout = Layout.of(dp=config.data_parallel, tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep,
+                       zero=config.zero_stage,
                        micro_batch=config.micro_batch,
                        global_batch=config.global_batch, seq=config.seq, schedule=config.schedule,
                        interleave=config.interleave)
     carrier = hardware if hardware is not None else Hardware.of(*catalog.hardware("dgx-h100"), "fp32")
     prediction = predict_training(spec, carrier, layout, assumptions=assumptions.override({"gradient_reduce_bytes": 4}))
+    # EP: predict's dispatch and combine of every routed copy, balanced over the experts; the measured
+    # bytes follow the actual routing (dropped copies stay home, an uneven split sends more or less)
     wire = {name: float(np.asarray(value).reshape(-1)[0]) for name, value in prediction.wire_bytes.items()
-            if name != "expert_parallel"}
+            if name != "expert_parallel" or config.ep > 1}
     wire["tensor_parallel"] += vocab_parallel_bytes(config, spec, head=config.pp == 1)  # rank 0: the first stage
     v = config.interleave
     wire["pipeline_p2p"] *= (2 * v - 1) / (2 * v)  # the first stage sends no gradient back from virtual stage 0
