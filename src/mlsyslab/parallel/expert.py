@@ -7,7 +7,8 @@ received; combine: a second `all_to_all_single` returns the outputs to the token
 are summed with their routing weights. Autograd flows back through both all-to-alls (each is its
 own backward, with the splits swapped). all_to_all_single with split sizes is ~3.5x faster than
 the list form on gloo. Bytes per rank per MoE layer and pass: 2 · (routed copies sent) · hidden ·
-bytes — (e−1)/e of the local copies leave the rank when routing is balanced.
+bytes — (e−1)/e of the local copies leave the rank when routing is balanced; the CommLog counts those
+(the routing metadata, counts and expert ids at 8 bytes a copy, is not logged).
 Twin: predict.training (expert-parallel term). Held against the same layer on one process in
 tests/parallel/test_expert.py.
 """
