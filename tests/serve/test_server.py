@@ -134,3 +134,17 @@ def wait_until_idle(engine, timeout_s: float = 20.0):
     while not engine.check().idle and time.monotonic() < deadline:
         time.sleep(0.05)
     assert engine.check().idle, "the request was not aborted"
+
+
+def test_load_generator_counts_whole_completions_without_streaming(server):
+    """For servers that cannot stream: whole completions give throughput and latency; TTFT and TPOT
+    are unknown (nan), not made up."""
+    import math
+
+    from mlsyslab.serve.loadgen import Workload, run_benchmark
+
+    url, _, _ = server
+    report = run_benchmark(url + "/v1", "default", Workload(requests=4, concurrency=2, prompt_tokens=12,
+                                                            output_tokens=5), stream=False)
+    assert report.completed == 4 and report.failed == 0 and report.output_tokens_per_s > 0
+    assert report.latency_p50_s > 0 and math.isnan(report.ttft_p50_s) and math.isnan(report.tpot_p50_s)

@@ -68,14 +68,16 @@ class Workload:
 @dataclass
 class RequestResult:
     ok: bool
-    ttft_s: float = 0.0
+    ttft_s: float | None = 0.0  # None: not streamed, so the first token's time is unknown
     latency_s: float = 0.0
     output_tokens: int = 0
     error: str = ""
 
     @property
     def tpot_s(self) -> float | None:
-        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+        if self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
 @dataclass
@@ -102,19 +104,21 @@ class BenchReport:
         return asdict(self)
 
 
-def run_benchmark(url: str, model: str, workload: Workload, timeout_s: float = 600.0, as_text=None) -> BenchReport:
+def run_benchmark(url: str, model: str, workload: Workload, timeout_s: float = 600.0, as_text=None,
+                  stream: bool = True) -> BenchReport:
     """Run `workload` against the OpenAI-compatible server at `url` (ending in /v1). `as_text` (token
-    ids -> str, a tokenizer's decode) sends prompts as text, for servers that take no token ids."""
+    ids -> str, a tokenizer's decode) sends prompts as text, for servers that take no token ids;
+    `stream=False` asks for whole completions (no TTFT or TPOT then), for servers that cannot stream."""
     busy = other_processes_busy_cores()
     cores = os.cpu_count() or 1
-    results, duration = asyncio.run(drive(url.rstrip("/"), model, workload, timeout_s, as_text))
+    results, duration = asyncio.run(drive(url.rstrip("/"), model, workload, timeout_s, as_text, stream))
     good = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in good)
 
     def pct(values, q):
         return float(np.percentile(values, q)) if values else float("nan")
 
-    ttft = [r.ttft_s for r in good]
+    ttft = [r.ttft_s for r in good if r.ttft_s is not None]
     tpot = [r.tpot_s for r in good if r.tpot_s is not None]
     latency = [r.latency_s for r in good]
     return BenchReport(
@@ -143,7 +147,7 @@ def other_processes_busy_cores(window_s: float = 1.0) -> float:
     return max(0.0, (busy1 - busy0) / ticks - (own1 - own0)) / window_s
 
 
-async def drive(url: str, model: str, workload: Workload, timeout_s: float, as_text=None
+async def drive(url: str, model: str, workload: Workload, timeout_s: float, as_text=None, stream: bool = True
                 ) -> tuple[list[RequestResult], float]:
     import httpx
 
@@ -155,7 +159,7 @@ async def drive(url: str, model: str, workload: Workload, timeout_s: float, as_t
             rng = random.Random(workload.seed + 1)
             tasks, delay = [], 0.0
             for prompt, new in prompts:
-                tasks.append(asyncio.create_task(after(delay, one(client, url, model, prompt, new))))
+                tasks.append(asyncio.create_task(after(delay, one(client, url, model, prompt, new, stream))))
                 delay += rng.expovariate(workload.rate)
             results = await asyncio.gather(*tasks)
         else:
@@ -165,10 +169,22 @@ async def drive(url: str, model: str, workload: Workload, timeout_s: float, as_t
             async def worker():
                 while queue:
                     prompt, new = queue.pop()
-                    results.append(await one(client, url, model, prompt, new))
+                    results.append(await one(client, url, model, prompt, new, stream))
 
             await asyncio.gather(*(worker() for _ in range(min(workload.concurrency, len(prompts)))))
         return list(results), time.perf_counter() - start
+
+
+async def whole(client, url: str, body: dict, start: float) -> RequestResult:
+    """One completion returned whole: its latency, and its tokens from the usage report."""
+    try:
+        response = await client.post(url + "/completions", json=body)
+        if response.status_code != 200:
+            return RequestResult(False, error=f"HTTP {response.status_code}: {response.text[:200]}")
+        tokens = response.json()["usage"]["completion_tokens"]
+    except Exception as error:  # noqa: BLE001 - a failed request is a result, not a crash of the benchmark
+        return RequestResult(False, error=f"{type(error).__name__}: {error}"[:200])
+    return RequestResult(True, None, time.perf_counter() - start, tokens)
 
 
 async def after(delay_s: float, coroutine):
@@ -176,11 +192,14 @@ async def after(delay_s: float, coroutine):
     return await coroutine
 
 
-async def one(client, url: str, model: str, prompt: list[int] | str, max_tokens: int) -> RequestResult:
-    """One streamed completion; tokens counted from the server's usage report when it sends one."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+async def one(client, url: str, model: str, prompt: list[int] | str, max_tokens: int, stream: bool = True
+              ) -> RequestResult:
+    """One completion, streamed unless `stream` is False; tokens counted from the usage report when sent."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+            "ignore_eos": True, **({"stream_options": {"include_usage": True}} if stream else {})}
     start = time.perf_counter()
+    if not stream:
+        return await whole(client, url, body, start)
     first, chunks, usage_tokens = None, 0, None
     try:
         async with client.stream("POST", url + "/completions", json=body) as response:
