@@ -1,8 +1,8 @@
 """`mlsys serve` (the OpenAI-compatible server), `mlsys generate` (one prompt, in process) and
 `mlsys bench serve` (a load test of ours or any OpenAI-compatible URL).
 
-Not done: the bench does not yet print the predicted TPOT beside the measured one (the predict twin
-needs `mlsys calibrate`'s `local` hardware and a serving prediction for this engine's configuration).
+With `--hardware` (`local` after `mlsys calibrate --nproc 1 --threads N`) the bench prints the TPOT
+the twin predicts for this engine (`serve.twin`) beside the measured one.
 """
 
 from __future__ import annotations
