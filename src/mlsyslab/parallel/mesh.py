@@ -87,14 +87,16 @@ class MeshRanks:
     dp: Rank
     cp: Rank
     tp: Rank
-    ep: Rank  # the DP ranks sharing this rank's experts
-    edp: Rank  # the DP ranks holding the same experts as this one
+    ep: Rank | None  # the DP ranks sharing this rank's experts (None when ep = 1)
+    edp: Rank  # the DP ranks holding the same experts as this one (all of DP when ep = 1)
 
 
 def build_mesh(rank: Rank, layout: MeshLayout) -> MeshRanks:
     """This rank's place in each dimension of the (pp, dp, cp, tp) mesh, and in EP and EDP inside DP."""
     mesh = init_device_mesh(rank.device.type, tuple(getattr(layout, d) for d in DIMENSIONS), mesh_dim_names=DIMENSIONS)
     ranks = {name: _rank_in(rank, mesh.get_group(name), mesh.get_local_rank(name)) for name in DIMENSIONS}
+    if layout.ep == 1:  # no expert groups to make (every start of a mesh would pay for them)
+        return MeshRanks(layout, **ranks, ep=None, edp=ranks["dp"])
     dp_lines = mesh.mesh.permute(0, 2, 3, 1).reshape(-1, layout.dp).tolist()  # every DP group, in DP order
     ep, edp = layout.ep, layout.dp // layout.ep
     # new_subgroups_by_enumeration makes every group on every rank (in one order) and returns this rank's

@@ -194,19 +194,14 @@ def draw_filtered(probs: torch.Tensor, params: list[SamplingParams], uniform: to
     reached inside them, min-p's threshold above the last of them. Other rows sort the whole vocabulary."""
     vocab = probs.shape[-1]
     width = min(CANDIDATES, vocab)
-    sorted_probs, order = probs.topk(width, dim=-1)
-    keep = kept(sorted_probs, params, vocab)
-    inside = keep[:, -1].logical_not() | (width == vocab)  # the last candidate dropped: the kept set ends inside
+    candidates, order = probs.topk(width, dim=-1)
+    inside = kept(candidates, params, vocab)[:, -1].logical_not() | (width == vocab)  # the kept set ends inside
     tokens = torch.empty(len(params), dtype=torch.long)
-    if inside.any():
-        rows = inside.nonzero()[:, 0]
-        position = inverse_cdf(sorted_probs[rows] * keep[rows], uniform[rows])
-        tokens[rows] = order[rows].gather(-1, position[:, None])[:, 0]
-    if not inside.all():
-        rows = inside.logical_not().nonzero()[:, 0]
-        all_sorted, all_order = probs[rows].sort(dim=-1, descending=True)
-        position = inverse_cdf(all_sorted * kept(all_sorted, [params[i] for i in rows.tolist()], vocab), uniform[rows])
-        tokens[rows] = all_order.gather(-1, position[:, None])[:, 0]
+    for rows, among_candidates in ((inside.nonzero()[:, 0], True), (inside.logical_not().nonzero()[:, 0], False)):
+        if len(rows):
+            values, ids = (candidates[rows], order[rows]) if among_candidates else probs[rows].sort(-1, descending=True)
+            position = inverse_cdf(values * kept(values, [params[i] for i in rows.tolist()], vocab), uniform[rows])
+            tokens[rows] = ids.gather(-1, position[:, None])[:, 0]
     return tokens
 
 

@@ -3,11 +3,13 @@
 ITL = max(FLOP / peak, (weights + KV read) / bandwidth) + kernels · host time per kernel, on the
 hardware spec `mlsys calibrate --nproc 1 --threads <cores>` measured (peak, copy bandwidth, time per
 eager kernel). What is this engine's own is counted, not assumed: the kernels one decoder layer
-launches in a decode step (aten ops, ~80: norms, fused projections, rotary, the paged-attention
-gather and matmuls, residuals) are counted under a `TorchDispatchMode` on tiny models of 2 and 4
-layers of the same dtype, and the KV cache dtype is the engine's (fp32 for 16-bit weights on CPU).
+launches in a decode step are counted under a `TorchDispatchMode` on tiny models of 2 and 4 layers of
+the same dtype, and the KV cache dtype is the engine's (`serve.engine.kv_cache_dtype`).
 Not modelled: prefill chunks that share a step with decodes (they lengthen the measured TPOT at
-high concurrency), and the GEMV kernels reaching less than the copy bandwidth. Used by
+high concurrency), the GEMV kernels reaching less than the copy bandwidth, and the C++ decode path:
+the tiny models' head size (8) takes the PyTorch layers, so the count is theirs, while a served
+model whose kernels apply runs each decode step's layers in one C++ call (`nn.fused_decode`) and pays
+far less host time than the count implies. Used by
 `mlsys bench serve --hardware` and benchmarks/serve.py; tested in tests/predict/test_inference_twin.py.
 """
 

@@ -81,6 +81,10 @@ class TrainConfig:
         return 0 if self.strategy == "ddp" else int(self.strategy[-1])
 
     @property
+    def layout(self) -> MeshLayout:
+        return MeshLayout(self.data_parallel, self.pp, self.cp, self.tp, self.ep)
+
+    @property
     def data_parallel(self) -> int:
         return self.dp if self.dp is not None else max(1, self.nproc // (self.tp * self.pp * self.cp))
 
@@ -117,7 +121,7 @@ class TrainConfig:
             raise InvalidValue("seq", self.seq, f"<= the {spec.max_seq}-token context of {spec.name}")
         model = LlamaConfig.from_spec(spec)  # raises for an architecture nn/ does not build
         if self.on_mesh:
-            MeshLayout(dp, self.pp, self.cp, self.tp, self.ep).validate(model, self.nproc, self.seq, self.microbatches)
+            self.layout.validate(model, self.nproc, self.seq, self.microbatches)
             if self.pp > 1:
                 if model.layers % (self.pp * self.interleave):
                     raise InvalidValue("interleave", self.interleave,
@@ -248,7 +252,7 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
     logs = {dimension: CommLog() for dimension in ("tensor_parallel", "expert_parallel", "pipeline_p2p",
                                                     "context_parallel", "data_parallel")}
     model = build_model(config, torch.float32)
-    mesh = build_mesh(rank, MeshLayout(config.data_parallel, config.pp, config.cp, config.tp, config.ep))
+    mesh = build_mesh(rank, config.layout)
     model, pipeline = prepare(model, mesh, config.microbatches, config.schedule, config.interleave, logs)
     module = pipeline.chunks if pipeline is not None else model
     held = list(module.parameters())
