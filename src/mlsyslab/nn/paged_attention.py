@@ -68,8 +68,11 @@ class PagedAttention:
                 decode_tables.append(seq.block_table[: -(-seq.context_len // block_size)])
                 decode_lens.append(seq.context_len)
             else:
-                blocks = torch.tensor([seq.block_table[: -(-seq.context_len // block_size)]], device=device)
-                self.prefills.append((start, seq.query_len, seq.context_len, cache_rows(blocks, k_cache.shape)))
+                rows = None  # a whole prompt reads nothing back from the cache
+                if seq.query_len < seq.context_len:
+                    blocks = torch.tensor([seq.block_table[: -(-seq.context_len // block_size)]], device=device)
+                    rows = cache_rows(blocks, k_cache.shape)
+                self.prefills.append((start, seq.query_len, seq.context_len, rows))
             start += seq.query_len
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
         self.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
