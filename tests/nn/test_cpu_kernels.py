@@ -133,3 +133,33 @@ def test_serving_copy_with_kernels_matches_the_plain_model(dtype, tolerance):
     ids = torch.randint(config.vocab, (2, 40))
     with torch.no_grad():
         torch.testing.assert_close(packed(ids).float(), model(ids).float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("rows, out, inputs", [(1, 576, 576), (3, 1536, 576), (2, 37, 29), (5, 100, 77), (4, 4096, 64)])
+def test_bf16_linear_rounds_the_exact_product_once(rows, out, inputs):
+    """fp32 sums of the bf16 values, plus the residual, rounded once: within one bf16 step of the fp64
+    product rounded to bf16 (ties and the fp32 sum decide the last bit), at every tail of the vector
+    width and of the 8- and 4-output groups, and split over threads (4,096 outputs)."""
+    generator = torch.Generator().manual_seed(rows * out)
+    weight = torch.randn(out, inputs, generator=generator).bfloat16()
+    x, residual = torch.randn(rows, inputs, generator=generator).bfloat16(), torch.randn(rows, out, generator=generator).bfloat16()
+    ops = cpu_kernels.load()
+    for got, exact in ((ops.bf16_linear(x, weight), x.double() @ weight.double().T),
+                       (ops.bf16_linear(x, weight, residual), x.double() @ weight.double().T + residual.double())):
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
+        step = 2.0 ** (torch.frexp(exact.float())[1].double() - 8)  # one bf16 unit in the last place of each value
+        assert ((got.double() - exact).abs() <= step * 0.5 + 1e-6 * exact.abs().max()).float().mean() > 0.99
+        assert ((got.double() - exact).abs() <= step).all()
+    alone = torch.cat([ops.bf16_linear(x[r:r + 1], weight, residual[r:r + 1]) for r in range(rows)])
+    assert torch.equal(alone, ops.bf16_linear(x, weight, residual))  # a row's result does not depend on the batch
+    torch.testing.assert_close(ops.bf16_linear(x.float(), weight), ops.bf16_linear(x, weight), atol=0, rtol=0)
+
+
+def test_bf16_linear_refuses_what_it_does_not_compute():
+    ops, x = cpu_kernels.load(), torch.randn(2, 8).bfloat16()
+    with pytest.raises(RuntimeError, match="weight: a contiguous bf16"):
+        ops.bf16_linear(x, torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match="x: a bf16 or fp32 CPU tensor"):
+        ops.bf16_linear(torch.randn(2, 7).bfloat16(), torch.randn(4, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="residual: a contiguous bf16"):
+        ops.bf16_linear(x, torch.randn(4, 8).bfloat16(), torch.randn(2, 5).bfloat16())

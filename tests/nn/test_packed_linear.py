@@ -5,12 +5,14 @@ import torch
 from torch import nn
 
 from mlsyslab.nn.llama import Llama, LlamaConfig
+from mlsyslab.nn import cpu_kernels, packed_linear
 from mlsyslab.nn.packed_linear import (
     FusedPackedLinear,
+    Kernel,
     PackedLinear,
     can_pack,
+    kernel_plan,
     packed_for_inference,
-    plain_rows,
 )
 
 CONFIG = LlamaConfig(vocab=96, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn_hidden=128, max_seq=128)
@@ -26,7 +28,7 @@ def test_packed_copy_matches_plain_model(dtype, tolerance):
     assert isinstance(model.layers[0].mlp.up_proj, nn.Linear) and isinstance(model.lm_head, nn.Linear)  # untouched
     assert model.layers[0].self_attn.fused_qkv is None and model.layers[0].mlp.fused_gate_up is None
     assert packed.embed_tokens is model.embed_tokens and not can_pack(packed)
-    for batch, length in ((1, 1), (1, 2), (3, 17), (3, 100)):  # rows on each side of `plain_rows`' bounds
+    for batch, length in ((1, 1), (1, 2), (3, 17), (3, 100)):  # rows on each side of `kernel_plan`'s bounds
         ids = torch.randint(CONFIG.vocab, (batch, length))
         with torch.no_grad():
             torch.testing.assert_close(packed(ids).float(), model(ids).float(), atol=tolerance, rtol=tolerance)
@@ -36,18 +38,34 @@ def test_fp64_is_not_packed():
     assert not can_pack(Llama(CONFIG).double())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_row_count_computes_the_same_product(dtype):
-    """Both kernels (plain weight, packed weight) compute x Wᵀ, whichever row count picks which."""
+def check_every_row_count(dtype):
+    """Every kernel of the plan computes x Wᵀ (and residual + x Wᵀ), whichever row count picks which."""
     weight = torch.randn(48, 32).to(dtype)
     layer = PackedLinear(weight)
-    below, start = plain_rows(dtype)
-    for rows in sorted({1, max(below - 1, 1), below, 300}):
+    bounds = [below for below, _ in layer.plan if below != float("inf")]
+    row_counts = sorted({1, 300, *bounds, *(bound - 1 for bound in bounds)})
+    for rows in row_counts:
         x, residual = torch.randn(rows, 32).to(dtype), torch.randn(rows, 48).to(dtype)
         torch.testing.assert_close(layer(x).float(), (x.float() @ weight.float().T), atol=0.05, rtol=0.02)
         added = layer.add_to(x, residual)
         if dtype == torch.float32:  # the fused add rounds as a separate one does
             torch.testing.assert_close(added, residual + layer(x), atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(added.float(), residual.float() + x.float() @ weight.float().T, atol=0.05, rtol=0.02)
-    if below > 1 or start is not None:
+    assert {layer.kernel(rows) for rows in row_counts} == {kernel for _, kernel in layer.plan}  # each one ran
+    if {kernel for _, kernel in layer.plan} - {Kernel.PACKED}:
         assert layer.plain_weight is not None and layer.plain_weight.data_ptr() != weight.data_ptr()
+    assert (layer.packed_weight is not None) == (Kernel.PACKED in {kernel for _, kernel in layer.plan})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_row_count_computes_the_same_product(dtype):
+    check_every_row_count(dtype)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels did not build here")
+def test_bf16_without_onednn_streams_small_steps_and_packs_nothing(monkeypatch):
+    """Where oneDNN cannot pack bf16 (AVX2 CPUs), steps under STREAMED_BELOW rows take the streamed
+    kernel and the rest the plain weight; no prepacked copy is made."""
+    monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: False)
+    assert kernel_plan(torch.bfloat16) == ((packed_linear.STREAMED_BELOW, Kernel.STREAMED), (float("inf"), Kernel.PLAIN))
+    check_every_row_count(torch.bfloat16)

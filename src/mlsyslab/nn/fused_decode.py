@@ -6,8 +6,9 @@ here (SmolLM2-135M, 2 cores): the batch-1 fp32 step spent 21.7 ms in matmuls and
 everything else, most of it Python. `FusedDecode` runs the same kernels in the same order as the
 serving copy's Python layers (`nn.packed_linear.packed_for_inference`, with `nn.cpu_kernels`), the loop
 over layers in C++: embedding, rope tables, the final norm and the logits stay in Python, once a step.
-The matmul each weight takes (oneDNN on the prepacked weight, or the plain weight) is the one
-`PackedLinear.uses_plain` picks for the step's rows, so the logits are bit-equal to the Python path's
+The kernel each weight takes (oneDNN on the prepacked weight, ATen or the streamed bf16 kernel on the
+plain weight) is the one `PackedLinear.kernel` picks for the step's rows, so the logits are bit-equal
+to the Python path's
 (tests/nn/test_fused_decode.py).
 
 It applies to steps that only decode (one new token per sequence) with the paged kernel reading the
@@ -21,7 +22,7 @@ import torch
 
 from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.llama import Llama, rope_cos_sin, rope_inverse_frequencies
-from mlsyslab.nn.packed_linear import PackedLinear
+from mlsyslab.nn.packed_linear import Kernel, PackedLinear
 from mlsyslab.nn.paged_attention import PagedAttention
 
 
@@ -36,7 +37,7 @@ class FusedDecode:
         self.linears: list[PackedLinear] = [linear for layer in model.layers for linear in (
             layer.self_attn.fused_qkv, layer.self_attn.o_proj, layer.mlp.fused_gate_up, layer.mlp.down_proj)]
         self.inverse_frequencies = rope_inverse_frequencies(model.config)
-        self.weights_for_rows: dict[tuple[bool, ...], list[torch.Tensor]] = {}
+        self.weights_for_kernels: dict[tuple[Kernel, ...], list[torch.Tensor]] = {}
 
     @staticmethod
     def applies_to(model: Llama) -> bool:
@@ -55,13 +56,13 @@ class FusedDecode:
         model = self.model
         hidden = model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inverse_frequencies, positions, hidden.dtype)
-        plain = tuple(linear.uses_plain(len(input_ids)) for linear in self.linears)
-        weights = self.weights_for_rows.get(plain)
+        kernels = tuple(linear.kernel(len(input_ids)) for linear in self.linears)
+        weights = self.weights_for_kernels.get(kernels)
         if weights is None:
-            weights = self.weights_for_rows[plain] = [
-                linear.plain_weight if use_plain else linear.packed_weight for linear, use_plain in zip(self.linears, plain)]
+            weights = self.weights_for_kernels[kernels] = [
+                linear.weight_for(kernel) for linear, kernel in zip(self.linears, kernels)]
         hidden = cpu_kernels.load().decode_layers(
             hidden, cos.reshape(len(input_ids), -1), sin.reshape(len(input_ids), -1), self.norms, weights,
-            [not use_plain for use_plain in plain], attention.k_cache, attention.v_cache, attention.slot_mapping,
+            [int(kernel) for kernel in kernels], attention.k_cache, attention.v_cache, attention.slot_mapping,
             attention.decode_tables, attention.decode_lengths, model.config.heads, model.config.rms_norm_eps)
         return model.lm_head(model.norm(hidden[logits_rows]))

@@ -1,20 +1,27 @@
-"""Inference-only linear layers with weights prepacked once for oneDNN (the CPU serving fast path).
+"""Inference-only linear layers whose kernel is picked by row count (the CPU serving fast path).
 
 At batch 1 a decoder step is one matrix-vector product per weight matrix, so its speed is the
 bandwidth at which the matrices stream from memory (the decode roofline: weight bytes / bandwidth).
-oneDNN's matmul with the weight reordered once into its blocked layout
-(`torch.ops.mkldnn._reorder_linear_weight`, the op inductor's CPU freezing pass uses) spreads every
-product over all intra-op threads. Which kernel is fastest depends on the dtype and on how many rows
-(tokens) the step multiplies; measured here (2 cores, AVX-512, 30 layers of SmolLM2-135M's matrices,
-benchmarks/serve.py runs the model end to end):
-- fp32: at 1-2 rows the plain `F.linear` (MKL GEMV) streams the matrices at 25 GB/s, the packed
-  weight at 22; from 4 rows the packed weight is ahead (1.3-1.4x at 4-16 rows, even from 256);
-- bf16: the packed weight is 1.5x `F.linear` at 1-128 rows; with AMX tiles, from 256 rows the
-  plain weight reaches oneDNN's AMX GEMM at 1,200-1,500 GFLOP/s against 900-950 for the packed one.
-So `PackedLinear` keeps a copy of the plain weight too where a row range prefers it (`plain_rows`).
+Three kernels compute x Wᵀ (`Kernel`):
+- PACKED: oneDNN's matmul with the weight reordered once into its blocked layout
+  (`torch.ops.mkldnn._reorder_linear_weight`, the op inductor's CPU freezing pass uses), spread over
+  all intra-op threads;
+- PLAIN: `F.linear` on the plain weight (MKL's GEMV / GEMM, or oneDNN's AMX GEMM for bf16);
+- STREAMED: our bf16 matrix-vector kernel (`nn/csrc/bf16_linear.cpp`) on the plain weight, read
+  front to back once per step.
+Which is fastest depends on the dtype, the CPU and the row count (tokens in the step); measured (2
+cores, 30 layers of SmolLM2-135M's matrices; benchmarks/serve.py runs the model end to end):
+- fp32: at 1-2 rows PLAIN streams the matrices at 25 GB/s, PACKED at 22; from 4 rows PACKED is
+  ahead (1.3-1.4x at 4-16 rows, even from 256) (AVX-512 host);
+- bf16 where oneDNN packs it (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): PACKED is 1.5x `F.linear` at
+  1-128 rows; with AMX tiles, from 256 rows PLAIN reaches oneDNN's AMX GEMM at 1,200-1,500 GFLOP/s
+  against 900-950 for PACKED;
+- bf16 where oneDNN refuses to pack it (AVX2 only: laptops, AMD Zen 3): STREAMED below
+  `STREAMED_BELOW` rows, PLAIN above (the engine runs wide steps on an fp32 copy there anyway:
+  `serve.engine.Engine.wide_step_model`).
 q/k/v and gate/up are each one matrix (`FusedPackedLinear`), and `add_to` folds the residual add
 that follows o_proj and down_proj into the matmul: at decode batch sizes the kernel count is what
-costs (the fp32 batch-1 step went from 33.0 to 31.6 ms here).
+costs (the fp32 batch-1 step went from 33.0 to 31.6 ms).
 
 `packed_for_inference(model)` returns a copy of the model whose linear layers are `PackedLinear`
 (embeddings and norms shared with the original, which stays untouched and trainable). The results
@@ -26,6 +33,9 @@ Tested in tests/nn/test_packed_linear.py, and end to end by the engine tests on 
 from __future__ import annotations
 
 import copy
+import enum
+import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -35,48 +45,81 @@ from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.llama import Llama
 
 BATCH_HINT = 256  # rows the packing is tuned for; measured here it also serves batch 1 at full speed
+STREAMED_BELOW = 16  # rows below which the streamed bf16 kernel runs where oneDNN cannot pack bf16
+
+
+class Kernel(enum.IntEnum):
+    """How a `PackedLinear` computes x Wᵀ for a given row count (the values are `decode_layers`' codes)."""
+
+    PLAIN = 0
+    PACKED = 1
+    STREAMED = 2
 
 
 class PackedLinear(nn.Module):
-    """y = x Wᵀ through oneDNN with W reordered once, or through `F.linear` on the plain W for the row
-    counts `plain_rows` says are faster that way. No bias, no gradients."""
+    """y = x Wᵀ through the kernel `kernel_plan` picks for the step's row count. No bias, no gradients."""
 
     def __init__(self, weight: torch.Tensor, batch_hint: int = BATCH_HINT):
         """weight [out, in]; copied (the layer is a snapshot: training the original changes nothing here)."""
         super().__init__()
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
-        self.plain_below, self.plain_from = plain_rows(weight.dtype)
-        self.register_buffer("plain_weight", weight.clone() if self.plain_below > 1 or self.plain_from is not None else None)
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint))
+        self.plan = kernel_plan(weight.dtype)
+        kernels = {kernel for _, kernel in self.plan}
+        self.register_buffer("plain_weight", weight.clone() if kernels - {Kernel.PACKED} else None)
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+                             if Kernel.PACKED in kernels else None)
+
+    def kernel(self, rows: int) -> Kernel:
+        return next(kernel for below, kernel in self.plan if rows < below)
+
+    def weight_for(self, kernel: Kernel) -> torch.Tensor:
+        return self.packed_weight if kernel == Kernel.PACKED else self.plain_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.uses_plain(rows.shape[0]):
+        kernel = self.kernel(rows.shape[0])
+        if kernel == Kernel.PLAIN:
             out = F.linear(rows, self.plain_weight)
+        elif kernel == Kernel.STREAMED:
+            out = cpu_kernels.load().bf16_linear(rows, self.plain_weight)
         else:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, None, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + x Wᵀ in one kernel (oneDNN's binary-add post-op, or addmm on the plain weight)."""
+        """residual + x Wᵀ in one kernel (oneDNN's binary-add post-op, addmm, or the streamed kernel's add)."""
         rows, base = x.reshape(-1, self.in_features), residual.reshape(-1, self.out_features)
-        if self.uses_plain(rows.shape[0]):
+        kernel = self.kernel(rows.shape[0])
+        if kernel == Kernel.PLAIN:
             out = torch.addmm(base, rows, self.plain_weight.t())
+        elif kernel == Kernel.STREAMED:
+            out = cpu_kernels.load().bf16_linear(rows, self.plain_weight, base.contiguous())
         else:
             out = torch.ops.mkldnn._linear_pointwise.binary(rows, base, self.packed_weight, None, "add")
         return out.reshape(residual.shape)
 
-    def uses_plain(self, rows: int) -> bool:
-        return rows < self.plain_below or (self.plain_from is not None and rows >= self.plain_from)
 
-
-def plain_rows(dtype: torch.dtype) -> tuple[int, int | None]:
-    """(below, from): products of fewer than `below` rows, or of `from` rows or more (None: never), run
-    on the plain weight; the rest on the packed one (measurements in the module docstring)."""
+def kernel_plan(dtype: torch.dtype) -> tuple[tuple[float, Kernel], ...]:
+    """((below, kernel), ...): products of fewer than `below` rows (and at least the previous bound) run
+    on `kernel` (measurements in the module docstring)."""
     if dtype == torch.float32:
-        return 3, None
-    return 1, (256 if cpu_kernels.cpu_has_amx() else None)
+        return (3, Kernel.PLAIN), (math.inf, Kernel.PACKED)
+    if onednn_packs_bf16():
+        return ((256, Kernel.PACKED), (math.inf, Kernel.PLAIN)) if cpu_kernels.cpu_has_amx() else ((math.inf, Kernel.PACKED),)
+    if cpu_kernels.load() is not None:
+        return (STREAMED_BELOW, Kernel.STREAMED), (math.inf, Kernel.PLAIN)
+    return ((math.inf, Kernel.PLAIN),)
+
+
+@functools.cache
+def onednn_packs_bf16() -> bool:
+    """Whether oneDNN reorders bf16 weights on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), 1)
+    except (RuntimeError, AttributeError):
+        return False
+    return True
 
 
 def can_pack(model: Llama) -> bool:
