@@ -135,31 +135,42 @@ def test_serving_copy_with_kernels_matches_the_plain_model(dtype, tolerance):
         torch.testing.assert_close(packed(ids).float(), model(ids).float(), atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows, out, inputs", [(1, 576, 576), (3, 1536, 576), (2, 37, 29), (5, 100, 77), (4, 4096, 64)])
-def test_bf16_linear_rounds_the_exact_product_once(rows, out, inputs):
-    """fp32 sums of the bf16 values, plus the residual, rounded once: within one bf16 step of the fp64
-    product rounded to bf16 (ties and the fp32 sum decide the last bit), at every tail of the vector
-    width and of the 8- and 4-output groups, and split over threads (4,096 outputs)."""
+def test_streamed_linear_rounds_the_exact_product_once(dtype, rows, out, inputs):
+    """fp32 sums of the weights' values, plus the residual, rounded once to the weights' dtype: within one
+    unit in the last place of the fp64 product rounded (ties and the fp32 sum decide the last bit), with
+    outputs and inputs that do not fill whole tiles, and split over threads (4,096 outputs)."""
     generator = torch.Generator().manual_seed(rows * out)
-    weight = torch.randn(out, inputs, generator=generator).bfloat16()
-    x, residual = torch.randn(rows, inputs, generator=generator).bfloat16(), torch.randn(rows, out, generator=generator).bfloat16()
+    weight = torch.randn(out, inputs, generator=generator).to(dtype)
+    x, residual = torch.randn(rows, inputs, generator=generator).to(dtype), torch.randn(rows, out, generator=generator).to(dtype)
     ops = cpu_kernels.load()
-    for got, exact in ((ops.bf16_linear(x, weight), x.double() @ weight.double().T),
-                       (ops.bf16_linear(x, weight, residual), x.double() @ weight.double().T + residual.double())):
-        assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
-        step = 2.0 ** (torch.frexp(exact.float())[1].double() - 8)  # one bf16 unit in the last place of each value
-        assert ((got.double() - exact).abs() <= step * 0.5 + 1e-6 * exact.abs().max()).float().mean() > 0.99
-        assert ((got.double() - exact).abs() <= step).all()
-    alone = torch.cat([ops.bf16_linear(x[r:r + 1], weight, residual[r:r + 1]) for r in range(rows)])
-    assert torch.equal(alone, ops.bf16_linear(x, weight, residual))  # a row's result does not depend on the batch
-    torch.testing.assert_close(ops.bf16_linear(x.float(), weight), ops.bf16_linear(x, weight), atol=0, rtol=0)
+    tiles = ops.stream_pack(weight)
+    mantissa_bits = 8 if dtype == torch.bfloat16 else 24
+    for got, exact in ((ops.streamed_linear(x, tiles, out), x.double() @ weight.double().T),
+                       (ops.streamed_linear(x, tiles, out, residual), x.double() @ weight.double().T + residual.double())):
+        assert got.dtype == dtype and got.shape == (rows, out)
+        unit = 2.0 ** (torch.frexp(exact.float())[1].double() - mantissa_bits)  # one unit in the last place of each value
+        error = (got.double() - exact).abs()
+        if dtype == torch.bfloat16:
+            assert (error <= unit * 0.5 + 1e-6 * exact.abs().max()).float().mean() > 0.99
+            assert (error <= unit).all()
+        else:  # fp32 sums of `inputs` products: a few units of fp32 rounding, relative to the terms' size
+            assert (error <= 4 * inputs * 2.0 ** -24 * (x.double().abs() @ weight.double().abs().T + 1)).all()
+    alone = torch.cat([ops.streamed_linear(x[r:r + 1], tiles, out, residual[r:r + 1]) for r in range(rows)])
+    assert torch.equal(alone, ops.streamed_linear(x, tiles, out, residual))  # a row's result does not depend on the batch
 
 
-def test_bf16_linear_refuses_what_it_does_not_compute():
+def test_streamed_linear_refuses_what_it_does_not_compute():
     ops, x = cpu_kernels.load(), torch.randn(2, 8).bfloat16()
-    with pytest.raises(RuntimeError, match="weight: a contiguous bf16"):
-        ops.bf16_linear(x, torch.randn(4, 8))
-    with pytest.raises(RuntimeError, match="x: a bf16 or fp32 CPU tensor"):
-        ops.bf16_linear(torch.randn(2, 7).bfloat16(), torch.randn(4, 8).bfloat16())
-    with pytest.raises(RuntimeError, match="residual: a contiguous bf16"):
-        ops.bf16_linear(x, torch.randn(4, 8).bfloat16(), torch.randn(2, 5).bfloat16())
+    tiles = ops.stream_pack(torch.randn(4, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="weight: an fp32 or bf16 CPU tensor"):
+        ops.stream_pack(torch.randn(4, 8).double())
+    with pytest.raises(RuntimeError, match="tiles: a contiguous"):
+        ops.streamed_linear(x, torch.randn(4, 8).bfloat16(), 4)
+    with pytest.raises(RuntimeError, match="out_features: 9 does not fit"):
+        ops.streamed_linear(x, tiles, 9)
+    with pytest.raises(RuntimeError, match=r"x: \[rows, in\] with in the packed weight's"):
+        ops.streamed_linear(torch.randn(2, 70).bfloat16(), tiles, 4)
+    with pytest.raises(RuntimeError, match="residual: a contiguous tensor"):
+        ops.streamed_linear(x, tiles, 4, torch.randn(2, 5).bfloat16())

@@ -52,9 +52,11 @@ def check_every_row_count(dtype):
             torch.testing.assert_close(added, residual + layer(x), atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(added.float(), residual.float() + x.float() @ weight.float().T, atol=0.05, rtol=0.02)
     assert {layer.kernel(rows) for rows in row_counts} == {kernel for _, kernel in layer.plan}  # each one ran
-    if {kernel for _, kernel in layer.plan} - {Kernel.PACKED}:
-        assert layer.plain_weight is not None and layer.plain_weight.data_ptr() != weight.data_ptr()
-    assert (layer.packed_weight is not None) == (Kernel.PACKED in {kernel for _, kernel in layer.plan})
+    kernels = {kernel for _, kernel in layer.plan}
+    if Kernel.PLAIN in kernels:
+        assert layer.plain_weight.data_ptr() != weight.data_ptr()
+    for kernel in Kernel:  # a copy of the weight for each kernel the plan uses, and none for the others
+        assert (layer.weight_for(kernel) is not None) == (kernel in kernels)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -63,9 +65,10 @@ def test_every_row_count_computes_the_same_product(dtype):
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels did not build here")
-def test_bf16_without_onednn_streams_small_steps_and_packs_nothing(monkeypatch):
+@pytest.mark.parametrize("dtype, wide", [(torch.bfloat16, Kernel.PLAIN), (torch.float32, Kernel.PACKED)])
+def test_avx2_cpus_stream_small_steps(monkeypatch, dtype, wide):
     """Where oneDNN cannot pack bf16 (AVX2 CPUs), steps under STREAMED_BELOW rows take the streamed
-    kernel and the rest the plain weight; no prepacked copy is made."""
+    kernel on its tiled weight, and the rest oneDNN (fp32) or the plain weight (bf16)."""
     monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: False)
-    assert kernel_plan(torch.bfloat16) == ((packed_linear.STREAMED_BELOW, Kernel.STREAMED), (float("inf"), Kernel.PLAIN))
-    check_every_row_count(torch.bfloat16)
+    assert kernel_plan(dtype) == ((packed_linear.STREAMED_BELOW, Kernel.STREAMED), (float("inf"), wide))
+    check_every_row_count(dtype)

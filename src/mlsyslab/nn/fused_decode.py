@@ -6,8 +6,8 @@ here (SmolLM2-135M, 2 cores): the batch-1 fp32 step spent 21.7 ms in matmuls and
 everything else, most of it Python. `FusedDecode` runs the same kernels in the same order as the
 serving copy's Python layers (`nn.packed_linear.packed_for_inference`, with `nn.cpu_kernels`), the loop
 over layers in C++: embedding, rope tables, the final norm and the logits stay in Python, once a step.
-The kernel each weight takes (oneDNN on the prepacked weight, ATen or the streamed bf16 kernel on the
-plain weight) is the one `PackedLinear.kernel` picks for the step's rows, so the logits are bit-equal
+The kernel each weight takes (oneDNN on the prepacked weight, ATen on the plain weight, or the streamed
+kernel on its tiled one) is the one `PackedLinear.kernel` picks for the step's rows, so the logits are bit-equal
 to the Python path's
 (tests/nn/test_fused_decode.py).
 
@@ -36,6 +36,7 @@ class FusedDecode:
                       for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
         self.linears: list[PackedLinear] = [linear for layer in model.layers for linear in (
             layer.self_attn.fused_qkv, layer.self_attn.o_proj, layer.mlp.fused_gate_up, layer.mlp.down_proj)]
+        self.out_features = [linear.out_features for linear in self.linears]
         self.inverse_frequencies = rope_inverse_frequencies(model.config)
         self.weights_for_kernels: dict[tuple[Kernel, ...], list[torch.Tensor]] = {}
 
@@ -63,6 +64,6 @@ class FusedDecode:
                 linear.weight_for(kernel) for linear, kernel in zip(self.linears, kernels)]
         hidden = cpu_kernels.load().decode_layers(
             hidden, cos.reshape(len(input_ids), -1), sin.reshape(len(input_ids), -1), self.norms, weights,
-            [int(kernel) for kernel in kernels], attention.k_cache, attention.v_cache, attention.slot_mapping,
+            [int(kernel) for kernel in kernels], self.out_features, attention.k_cache, attention.v_cache, attention.slot_mapping,
             attention.decode_tables, attention.decode_lengths, model.config.heads, model.config.rms_norm_eps)
         return model.lm_head(model.norm(hidden[logits_rows]))

@@ -7,18 +7,20 @@ Three kernels compute x Wᵀ (`Kernel`):
   (`torch.ops.mkldnn._reorder_linear_weight`, the op inductor's CPU freezing pass uses), spread over
   all intra-op threads;
 - PLAIN: `F.linear` on the plain weight (MKL's GEMV / GEMM, or oneDNN's AMX GEMM for bf16);
-- STREAMED: our bf16 matrix-vector kernel (`nn/csrc/bf16_linear.cpp`) on the plain weight, read
-  front to back once per step.
+- STREAMED: our matrix-vector kernel (`nn/csrc/streamed_linear.cpp`) on a tiled copy of the weight
+  that it reads as one sequential stream per thread.
 Which is fastest depends on the dtype, the CPU and the row count (tokens in the step); measured (2
 cores, 30 layers of SmolLM2-135M's matrices; benchmarks/serve.py runs the model end to end):
-- fp32: at 1-2 rows PLAIN streams the matrices at 25 GB/s, PACKED at 22; from 4 rows PACKED is
-  ahead (1.3-1.4x at 4-16 rows, even from 256) (AVX-512 host);
-- bf16 where oneDNN packs it (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): PACKED is 1.5x `F.linear` at
-  1-128 rows; with AMX tiles, from 256 rows PLAIN reaches oneDNN's AMX GEMM at 1,200-1,500 GFLOP/s
-  against 900-950 for PACKED;
-- bf16 where oneDNN refuses to pack it (AVX2 only: laptops, AMD Zen 3): STREAMED below
-  `STREAMED_BELOW` rows, PLAIN above (the engine runs wide steps on an fp32 copy there anyway:
-  `serve.engine.Engine.wide_step_model`).
+- AVX-512 host (where oneDNN packs bf16): fp32 at 1-2 rows PLAIN (MKL's GEMV) streams the matrices
+  at 25 GB/s, PACKED at 22, and from 4 rows PACKED is ahead (1.3-1.4x at 4-16 rows, even from 256);
+  bf16 PACKED is 1.5x `F.linear` at 1-128 rows, and with AMX tiles, from 256 rows PLAIN reaches
+  oneDNN's AMX GEMM at 1,200-1,500 GFLOP/s against 900-950 for PACKED;
+- AVX2 host (AMD Zen 3, 2026-11-24; oneDNN refuses to pack bf16 there): STREAMED at 1 row reads
+  27 GB/s in bf16 and 32 GB/s in fp32 (a sum reads 27-30), where MKL's fp32 GEMV reads 14 and
+  PACKED fp32 28; over the model's matrices STREAMED is ahead of PACKED fp32 up to 16-24 rows in
+  both dtypes (bf16 at 16 rows: 38.8 against 40.0 ms), so it takes steps under `STREAMED_BELOW`
+  rows, PACKED the fp32 steps above and PLAIN the bf16 ones (the engine runs wide steps on an fp32
+  copy there anyway: `serve.engine.Engine.wide_step_model`).
 q/k/v and gate/up are each one matrix (`FusedPackedLinear`), and `add_to` folds the residual add
 that follows o_proj and down_proj into the matmul: at decode batch sizes the kernel count is what
 costs (the fp32 batch-1 step went from 33.0 to 31.6 ms).
@@ -45,7 +47,7 @@ from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.llama import Llama
 
 BATCH_HINT = 256  # rows the packing is tuned for; measured here it also serves batch 1 at full speed
-STREAMED_BELOW = 16  # rows below which the streamed bf16 kernel runs where oneDNN cannot pack bf16
+STREAMED_BELOW = 16  # rows below which the streamed kernel runs on AVX2 CPUs (where oneDNN cannot pack bf16)
 
 
 class Kernel(enum.IntEnum):
@@ -66,15 +68,16 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.plan = kernel_plan(weight.dtype)
         kernels = {kernel for _, kernel in self.plan}
-        self.register_buffer("plain_weight", weight.clone() if kernels - {Kernel.PACKED} else None)
+        self.register_buffer("plain_weight", weight.clone() if Kernel.PLAIN in kernels else None)
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
                              if Kernel.PACKED in kernels else None)
+        self.register_buffer("stream_tiles", cpu_kernels.load().stream_pack(weight) if Kernel.STREAMED in kernels else None)
 
     def kernel(self, rows: int) -> Kernel:
         return next(kernel for below, kernel in self.plan if rows < below)
 
     def weight_for(self, kernel: Kernel) -> torch.Tensor:
-        return self.packed_weight if kernel == Kernel.PACKED else self.plain_weight
+        return (self.plain_weight, self.packed_weight, self.stream_tiles)[kernel]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -82,7 +85,7 @@ class PackedLinear(nn.Module):
         if kernel == Kernel.PLAIN:
             out = F.linear(rows, self.plain_weight)
         elif kernel == Kernel.STREAMED:
-            out = cpu_kernels.load().bf16_linear(rows, self.plain_weight)
+            out = cpu_kernels.load().streamed_linear(rows, self.stream_tiles, self.out_features)
         else:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, None, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -94,7 +97,7 @@ class PackedLinear(nn.Module):
         if kernel == Kernel.PLAIN:
             out = torch.addmm(base, rows, self.plain_weight.t())
         elif kernel == Kernel.STREAMED:
-            out = cpu_kernels.load().bf16_linear(rows, self.plain_weight, base.contiguous())
+            out = cpu_kernels.load().streamed_linear(rows, self.stream_tiles, self.out_features, base.contiguous())
         else:
             out = torch.ops.mkldnn._linear_pointwise.binary(rows, base, self.packed_weight, None, "add")
         return out.reshape(residual.shape)
@@ -103,12 +106,12 @@ class PackedLinear(nn.Module):
 def kernel_plan(dtype: torch.dtype) -> tuple[tuple[float, Kernel], ...]:
     """((below, kernel), ...): products of fewer than `below` rows (and at least the previous bound) run
     on `kernel` (measurements in the module docstring)."""
+    if cpu_kernels.load() is not None and not onednn_packs_bf16():
+        return (STREAMED_BELOW, Kernel.STREAMED), (math.inf, Kernel.PACKED if dtype == torch.float32 else Kernel.PLAIN)
     if dtype == torch.float32:
         return (3, Kernel.PLAIN), (math.inf, Kernel.PACKED)
     if onednn_packs_bf16():
         return ((256, Kernel.PACKED), (math.inf, Kernel.PLAIN)) if cpu_kernels.cpu_has_amx() else ((math.inf, Kernel.PACKED),)
-    if cpu_kernels.load() is not None:
-        return (STREAMED_BELOW, Kernel.STREAMED), (math.inf, Kernel.PLAIN)
     return ((math.inf, Kernel.PLAIN),)
 
 

@@ -9,7 +9,7 @@
 //   h = h + attention(q, cache)·Woᵀ; x = rms_norm(h); h = h + (silu(x·Wgᵀ) · x·Wuᵀ)·Wdᵀ.
 // The matmuls are the ones `nn.packed_linear.PackedLinear` picks for this many rows — oneDNN on the
 // prepacked weight (`mkldnn::_linear_pointwise`, its `.binary` add folding the residual), ATen on the
-// plain one (`addmm`), or the streamed bf16 kernel (bf16_linear.cpp) — the first two called through the
+// plain one (`addmm`), or the streamed kernel on its tiled weight (streamed_linear.cpp) — the first two called through the
 // dispatcher, so the results are bit-equal to the Python path (tests/nn/test_fused_decode.py). Used by `nn.fused_decode`; decodes only (one new token per
 // sequence, the cache in the model's dtype); prefill steps keep the Python path, where the matmuls
 // dwarf the overhead.
@@ -36,18 +36,18 @@ enum Kernel : int64_t { kPlain = 0, kPacked = 1, kStreamed = 2 };
 
 struct Linear {
   const at::Tensor& weight;
-  int64_t kernel;
+  int64_t kernel, out;
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (kernel == kPlain) return at::linear(x, weight);
-    if (kernel == kStreamed) return mlsyslab::bf16_linear(x, weight, std::nullopt);
+    if (kernel == kStreamed) return mlsyslab::streamed_linear(x, weight, out, std::nullopt);
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "").typed<LinearOp>();
     return op.call(x, weight, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), std::string_view(""));
   }
 
   at::Tensor add_to(const at::Tensor& x, const at::Tensor& residual) const {
     if (kernel == kPlain) return at::addmm(residual, x, weight.t());
-    if (kernel == kStreamed) return mlsyslab::bf16_linear(x, weight, residual);
+    if (kernel == kStreamed) return mlsyslab::streamed_linear(x, weight, out, residual);
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "binary")
                          .typed<LinearAddOp>();
     return op.call(x, residual, weight, std::nullopt, "add");
@@ -72,18 +72,20 @@ void write_slots(at::Tensor& cache, const at::Tensor& values, const int64_t* slo
 namespace mlsyslab {
 
 // hidden [tokens, hidden] after the embedding -> after the last layer (before the final norm).
-// norms: 2 per layer (input, post-attention); weights: 4 per layer (qkv, o, gate|up, down), each
-// for the kernel `kernels` names; caches [layers, kv_heads, num_blocks, block_size, head_dim].
+// norms: 2 per layer (input, post-attention); weights: 4 per layer (qkv, o, gate|up, down), each the
+// weight of the kernel `kernels` names, with `out_features` outputs; caches [layers, kv_heads,
+// num_blocks, block_size, head_dim].
 at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin, at::TensorList norms,
-                         at::TensorList weights, c10::List<int64_t> kernels, at::Tensor k_cache, at::Tensor v_cache,
+                         at::TensorList weights, c10::List<int64_t> kernels, c10::List<int64_t> out_features,
+                         at::Tensor k_cache, at::Tensor v_cache,
                          const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lengths, int64_t heads,
                          double eps) {
   const int64_t layers = k_cache.size(0), kv_heads = k_cache.size(1), head_dim = k_cache.size(-1);
   const int64_t tokens = hidden_in.size(0);
   TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.is_contiguous(), "hidden: contiguous [tokens, hidden]");
   TORCH_CHECK(int64_t(norms.size()) == 2 * layers && int64_t(weights.size()) == 4 * layers &&
-              int64_t(kernels.size()) == 4 * layers, "norms: 2 per layer, weights and kernels: 4 per layer, for ",
-              layers, " layers");
+              int64_t(kernels.size()) == 4 * layers && int64_t(out_features.size()) == 4 * layers,
+              "norms: 2 per layer, weights, kernels and out_features: 4 per layer, for ", layers, " layers");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               k_cache.scalar_type() == hidden_in.scalar_type() && v_cache.scalar_type() == hidden_in.scalar_type(),
               "k_cache, v_cache: contiguous [layers, kv_heads, num_blocks, block_size, head_dim] in hidden's dtype");
@@ -98,8 +100,8 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
   const double scale = 1.0 / std::sqrt(double(head_dim));
   at::Tensor hidden = hidden_in;
   for (int64_t l = 0; l < layers; ++l) {
-    const Linear qkv{weights[4 * l], kernels[4 * l]}, o{weights[4 * l + 1], kernels[4 * l + 1]};
-    const Linear gate_up{weights[4 * l + 2], kernels[4 * l + 2]}, down{weights[4 * l + 3], kernels[4 * l + 3]};
+    const auto linear = [&](int64_t i) { return Linear{weights[4 * l + i], kernels[4 * l + i], out_features[4 * l + i]}; };
+    const Linear qkv = linear(0), o = linear(1), gate_up = linear(2), down = linear(3);
     at::Tensor k_layer = k_cache[l], v_layer = v_cache[l];
     const at::Tensor fused = qkv(rms_norm(hidden, norms[2 * l], eps));
     at::Tensor q = fused.narrow(1, 0, heads * head_dim).view({tokens, heads, head_dim});
@@ -124,6 +126,6 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
 
 TORCH_LIBRARY_FRAGMENT(mlsyslab, m) {
   m.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] weights, int[] kernels, "
-        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor tables, Tensor lengths, int heads, float eps) "
+        "int[] out_features, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor tables, Tensor lengths, int heads, float eps) "
         "-> Tensor", &mlsyslab::decode_layers);
 }

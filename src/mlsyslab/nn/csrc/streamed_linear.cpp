@@ -1,0 +1,207 @@
+// y = x·Wᵀ (+ residual) for a few rows of x: the matrix-vector products of a decode step, at the speed
+// the weight streams from memory.
+//
+// At decode batch sizes each weight element is used once or a few times per step, so a step costs the
+// weight's bytes over the memory bandwidth (the decode roofline). `stream_pack` lays the weight out once
+// so that the kernel reads it as one sequential stream per thread: tiles of 8 output rows × kChunk
+// inputs (kChunk = two vectors' worth), a group of 8 rows' tiles in input order, groups in output order,
+// zero-padded to whole tiles. (On the plain row-major weight, 8 rows read side by side are 8 streams,
+// and rows of 576 bf16 streamed 17-21 GB/s where rows of 1,536 reached 29-30: the prefetchers lose
+// each short stream's start; tiled, every shape streams as the long rows did.) Each thread takes a
+// contiguous range of groups. The x rows are converted to fp32 once, into a buffer that stays in L1, in
+// the order the weights come out of a tile; each weight vector is loaded and widened once per row of x.
+// bf16 weights are read as 32-bit words: word << 16 is the even input's weight as an fp32 and
+// word & 0xFFFF0000 the odd one's (bf16 is the top half of an fp32), two instructions per 2·kWidth
+// weights. Sums are fp32, each output's chunks in order, its lanes by one fixed tree
+// (`transpose_sum`): a row's result does not depend on how many rows the call has, so a sequence
+// decodes the same in any batch. The residual is added in fp32 and the result rounded once (bf16:
+// round to nearest even).
+//
+// Why our own: oneDNN packs bf16 weights only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT
+// (`mkldnn_reorder_linear_weight` refuses elsewhere: AVX2 laptops, AMD Zen 3), its bf16 matrix-vector
+// product streamed 17-20 GB/s of 24 on an AVX-512 host, and MKL's fp32 one 14 GB/s of 27-30 on Zen 3
+// (docs/serving.md). Used by `nn.packed_linear.PackedLinear` for the row counts it picks; tested in
+// tests/nn/test_cpu_kernels.py against the exact product.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "kernels.h"
+#include "vec.h"
+
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using namespace mlsyslab;
+
+// The widest vector the compiler targets (-march=native): one AVX-512 register, or one AVX2 one.
+#if defined(__AVX512F__)
+constexpr int kWidth = 16;
+#else
+constexpr int kWidth = 8;
+#endif
+typedef Lanes<kWidth>::Floats Vec;
+typedef Lanes<kWidth>::Words Words;
+typedef Lanes<8>::Floats Eight;
+constexpr int64_t kChunk = 2 * kWidth;  // inputs of one tile row: two vectors
+constexpr int64_t kGroup = 8;           // output rows of one tile
+
+template <typename T> inline T bits_as(const void* p) { T v; std::memcpy(&v, p, sizeof v); return v; }
+
+// One tile row's kChunk weights as two fp32 vectors, in the order `x_in_tile_order` puts x in.
+inline void weights(const float* w, Vec& first, Vec& second) {
+  first = bits_as<Vec>(w);
+  second = bits_as<Vec>(w + kWidth);
+}
+inline void weights(const c10::BFloat16* w, Vec& even, Vec& odd) {
+  const Words words = bits_as<Words>(w);
+  const Words low = words << 16, high = words & 0xFFFF0000u;
+  even = bits_as<Vec>(&low);
+  odd = bits_as<Vec>(&high);
+}
+
+// x rows as fp32, zero-padded to `padded` inputs, each chunk in the order `weights` returns them: fp32
+// chunks as they are, bf16 chunks as their even inputs then their odd ones. Into a buffer each thread
+// keeps (no allocation per call: a decode step makes ~120 calls).
+template <typename T, typename X>
+const float* x_in_tile_order(const X* x, int64_t rows, int64_t in, int64_t row_stride, int64_t padded) {
+  thread_local std::vector<float> buffer;
+  buffer.assign(rows * padded, 0.f);
+  constexpr bool pairs = std::is_same_v<T, c10::BFloat16>;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < in; ++i) {
+      const int64_t chunk = i / kChunk * kChunk, lane = i % kChunk;
+      const int64_t slot = pairs ? lane / 2 + (lane % 2) * kWidth : lane;
+      buffer[r * padded + chunk + slot] = widen(x[r * row_stride + i]);
+    }
+  return buffer.data();
+}
+
+// Lane g of the result: the sum of the lanes of acc[g], by rounds of pairwise shuffle-and-add (21
+// operations for 8 sums, against 8 horizontal sums of 7 dependent adds each).
+inline Eight transpose_sum(const Vec (&acc)[kGroup]) {
+  Eight a[8];
+  for (int g = 0; g < 8; ++g) {
+#if defined(__AVX512F__)
+    a[g] = __builtin_shufflevector(acc[g], acc[g], 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(acc[g], acc[g], 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    a[g] = acc[g];
+#endif
+  }
+  Eight u[4], v[2];
+  for (int i = 0; i < 4; ++i)
+    u[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  for (int i = 0; i < 2; ++i)
+    v[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(u[2 * i], u[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(v[0], v[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(v[0], v[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+template <typename T>
+struct Problem {
+  const float* x;     // [rows, padded], from x_in_tile_order
+  const T* tiles;     // [groups, chunks, kGroup, kChunk], from stream_pack
+  const T* residual;  // [rows, out] or null
+  T* y;               // [rows, out]
+  int64_t rows, chunks, out;
+};
+
+// The 8 outputs of group `group` for every row of x: the group's tiles (8 × padded inputs) are read from
+// memory for the first row and from L1/L2 for the others.
+template <typename T>
+void group_outputs(const Problem<T>& p, int64_t group) {
+  const T* tiles = p.tiles + group * p.chunks * kGroup * kChunk;
+  const int64_t padded = p.chunks * kChunk;
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const float* x = p.x + r * padded;
+    Vec acc[kGroup] = {};
+    for (int64_t c = 0; c < p.chunks; ++c) {
+      const Vec first_x = bits_as<Vec>(x + c * kChunk), second_x = bits_as<Vec>(x + c * kChunk + kWidth);
+      for (int g = 0; g < kGroup; ++g) {
+        Vec first, second;
+        weights(tiles + (c * kGroup + g) * kChunk, first, second);
+        acc[g] += first * first_x;
+        acc[g] += second * second_x;
+      }
+    }
+    const Eight sums = transpose_sum(acc);
+    for (int g = 0; g < kGroup && group * kGroup + g < p.out; ++g) {
+      const int64_t at = r * p.out + group * kGroup + g;
+      p.y[at] = narrow<T>(sums[g] + (p.residual ? widen(p.residual[at]) : 0.f));
+    }
+  }
+}
+
+constexpr int64_t kBytesPerThread = 1 << 16;  // weight bytes below which a second thread costs more than it saves
+
+template <typename T>
+at::Tensor run(const at::Tensor& x, const at::Tensor& tiles, int64_t out, const std::optional<at::Tensor>& residual) {
+  const int64_t groups = tiles.size(0), chunks = tiles.size(1);
+  const int64_t padded = chunks * kChunk;
+  TORCH_CHECK(x.stride(1) == 1, "x: rows with contiguous inputs");
+  const float* xs = x.scalar_type() == at::kFloat
+      ? x_in_tile_order<T>(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0), padded)
+      : x_in_tile_order<T>(x.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), x.stride(0), padded);
+  at::Tensor y = at::empty({x.size(0), out}, tiles.options());
+  const Problem<T> p{xs, tiles.data_ptr<T>(), residual ? residual->data_ptr<T>() : nullptr, y.data_ptr<T>(),
+                     x.size(0), chunks, out};
+  const int64_t grain = std::max<int64_t>(1, kBytesPerThread / (chunks * kGroup * kChunk * int64_t(sizeof(T))));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t group = begin; group < end; ++group) group_outputs(p, group);
+  });
+  return y;
+}
+
+void check_float_or_bf16(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16), name,
+              ": an fp32 or bf16 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+}
+
+}  // namespace
+
+namespace mlsyslab {
+
+at::Tensor stream_pack(const at::Tensor& weight) {
+  check_float_or_bf16(weight, "weight");
+  TORCH_CHECK(weight.dim() == 2, "weight: [out, in], got ", weight.sizes());
+  const int64_t out = weight.size(0), in = weight.size(1);
+  const int64_t groups = (out + kGroup - 1) / kGroup, chunks = (in + kChunk - 1) / kChunk;
+  const at::Tensor padded = at::constant_pad_nd(weight, {0, chunks * kChunk - in, 0, groups * kGroup - out});
+  return padded.view({groups, kGroup, chunks, kChunk}).transpose(1, 2).contiguous();
+}
+
+at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t out,
+                           const std::optional<at::Tensor>& residual) {
+  check_float_or_bf16(tiles, "tiles");
+  TORCH_CHECK(tiles.dim() == 4 && tiles.size(2) == kGroup && tiles.size(3) == kChunk && tiles.is_contiguous(),
+              "tiles: a contiguous [groups, chunks, ", kGroup, ", ", kChunk, "] tensor from stream_pack, got ",
+              tiles.sizes());
+  TORCH_CHECK(out > (tiles.size(0) - 1) * kGroup && out <= tiles.size(0) * kGroup, "out_features: ", out,
+              " does not fit tiles of ", tiles.size(0), " groups of ", kGroup, " rows");
+  check_float_or_bf16(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > (tiles.size(1) - 1) * kChunk && x.size(1) <= tiles.size(1) * kChunk,
+              "x: [rows, in] with in the packed weight's (", tiles.size(1), " chunks of ", kChunk, "), got ",
+              x.sizes());
+  if (residual) {
+    TORCH_CHECK(residual->scalar_type() == tiles.scalar_type() && residual->is_contiguous() && residual->dim() == 2 &&
+                residual->size(0) == x.size(0) && residual->size(1) == out,
+                "residual: a contiguous tensor [rows, out] = [", x.size(0), ", ", out, "] in the weight's dtype");
+  }
+  if (tiles.scalar_type() == at::kFloat) return run<float>(x, tiles, out, residual);
+  return run<c10::BFloat16>(x, tiles, out, residual);
+}
+
+}  // namespace mlsyslab
+
+TORCH_LIBRARY_FRAGMENT(mlsyslab, m) {
+  m.def("stream_pack(Tensor weight) -> Tensor", &mlsyslab::stream_pack);
+  m.def("streamed_linear(Tensor x, Tensor tiles, int out_features, Tensor? residual=None) -> Tensor",
+        &mlsyslab::streamed_linear);
+}
