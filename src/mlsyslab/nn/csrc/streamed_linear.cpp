@@ -72,12 +72,18 @@ const float* x_in_tile_order(const X* x, int64_t rows, int64_t in, int64_t row_s
   thread_local std::vector<float> buffer;
   buffer.assign(rows * padded, 0.f);
   constexpr bool pairs = std::is_same_v<T, c10::BFloat16>;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < in; ++i) {
-      const int64_t chunk = i / kChunk * kChunk, lane = i % kChunk;
-      const int64_t slot = pairs ? lane / 2 + (lane % 2) * kWidth : lane;
-      buffer[r * padded + chunk + slot] = widen(x[r * row_stride + i]);
-    }
+  for (int64_t r = 0; r < rows; ++r) {
+    const X* row = x + r * row_stride;
+    float* split = buffer.data() + r * padded;
+    const int64_t whole = in / kChunk * kChunk;
+    for (int64_t chunk = 0; chunk < whole; chunk += kChunk)
+      for (int i = 0; i < kWidth; ++i) {
+        split[chunk + i] = widen(row[chunk + (pairs ? 2 * i : i)]);
+        split[chunk + kWidth + i] = widen(row[chunk + (pairs ? 2 * i + 1 : kWidth + i)]);
+      }
+    for (int64_t lane = 0; lane < in - whole; ++lane)  // the last, partial chunk
+      split[whole + (pairs ? lane / 2 + (lane % 2) * kWidth : lane)] = widen(row[whole + lane]);
+  }
   return buffer.data();
 }
 
