@@ -7,7 +7,9 @@ folder under `cache_dir` (`nn.gguf_loader`); later starts load that folder in ab
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -53,10 +55,19 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def loaders(model: str | Path = "default", dtype: str = "fp32", cache_dir: str | Path | None = None,
+            device: str | torch.device = "cpu") -> tuple[Callable[[], Llama], Callable[[], Tokenizer], str]:
+    """(model loader, tokenizer loader, name): zero-argument, picklable functions that read the weights
+    and the tokenizer of "default", a .gguf file or an HF folder, so that another process (the server's
+    engine) can read them while this one does something else. A GGUF is converted here, once."""
+    parse_dtype(dtype)
+    folder = resolve_folder(model, cache_dir)
+    name = DEFAULT_MODEL_NAME if str(model) == "default" else Path(model).stem
+    return functools.partial(load_hf_folder, folder, DTYPES[dtype], device), functools.partial(Tokenizer, folder), name
+
+
 def load_pretrained(model: str | Path = "default", dtype: str = "fp32", cache_dir: str | Path | None = None,
                     device: str | torch.device = "cpu") -> tuple[Llama, Tokenizer, str]:
     """(model, tokenizer, name) for "default", a .gguf file or an HF folder."""
-    torch_dtype = parse_dtype(dtype)
-    folder = resolve_folder(model, cache_dir)
-    name = DEFAULT_MODEL_NAME if str(model) == "default" else Path(model).stem
-    return load_hf_folder(folder, torch_dtype, device), Tokenizer(folder), name
+    load_model, load_tokenizer, name = loaders(model, dtype, cache_dir, device)
+    return load_model(), load_tokenizer(), name

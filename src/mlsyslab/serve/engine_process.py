@@ -67,7 +67,11 @@ class EngineProcess:
     """`async for item in await engine.submit(id, prompt_ids, params)`: Deltas, then the RequestOutput."""
 
     def __init__(self, model, tokenizer, config, threads: int | None = None, on_finish=None,
-                 start_timeout_s: float = 300.0):
+                 start_timeout_s: float = 300.0, wait: bool = True):
+        """model, tokenizer: the objects, or zero-argument picklable functions that load them
+        (`nn.pretrained.loaders`), called in the child — so that it reads the weights and imports the
+        tokenizer's libraries while this process does its own start-up. `wait`: return once the engine
+        is ready (False: call `wait_started` before using it)."""
         context = torch.multiprocessing.get_context("spawn")
         child_commands, self.commands = context.Pipe(duplex=False)
         self.results, child_results = context.Pipe(duplex=False)
@@ -77,14 +81,20 @@ class EngineProcess:
         self.admissions: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future, asyncio.Queue]] = {}
         self.checks: list[threading.Event] = []
         self.error: BaseException | None = None
+        self.start_timeout_s = start_timeout_s
         self.process = context.Process(target=run_engine, name="mlsys-engine", daemon=True,
                                        args=(model, tokenizer, config, threads, child_commands, child_results))
         self.process.start()
         child_commands.close()
         child_results.close()
-        if not self.results.poll(start_timeout_s):
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Block until the child has built its engine (raises if it failed or took too long)."""
+        if not self.results.poll(self.start_timeout_s):
             self.process.kill()
-            raise RuntimeError(f"the engine process did not start within {start_timeout_s:.0f} s")
+            raise RuntimeError(f"the engine process did not start within {self.start_timeout_s:.0f} s")
         kind, payload = self.results.recv()
         if kind == "error":
             self.process.join(5)
@@ -225,6 +235,8 @@ def run_engine(model, tokenizer, config, threads: int | None, commands, results)
     try:
         if threads is not None:
             torch.set_num_threads(threads)
+        model = model if isinstance(model, torch.nn.Module) else model()
+        tokenizer = tokenizer() if callable(tokenizer) else tokenizer
         engine = Engine(model, tokenizer, config)
         del model
     except BaseException as error:
