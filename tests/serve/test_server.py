@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from mlsyslab.nn.pretrained import load_pretrained
+from mlsyslab.nn.pretrained import loaders
 from mlsyslab.serve.engine import EngineConfig
 from mlsyslab.serve.server import ServerThread, build_server
 
@@ -17,10 +17,12 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    model, tokenizer, name = load_pretrained("default")
+    """As `mlsys serve` starts it: the engine process loads the weights and its tokenizer from loaders."""
+    load_model, load_tokenizer, name = loaders("default")
     # one request runs and one waits at a time, so three at once find the queue full (test_queue_bound_gives_503)
     config = EngineConfig(kv_cache_bytes=200_000_000, max_running=1, max_waiting=1)
-    app, engine = build_server(model, tokenizer, name, config, threads=2)
+    app, engine = build_server(load_model, load_tokenizer, name, config, threads=2)
+    tokenizer = load_tokenizer()
     with ServerThread(app) as url:
         yield url, engine, tokenizer
     engine.stop()
