@@ -12,10 +12,11 @@ runs the same step in a process of its own for the HTTP server.
 
 Cost per step: one pass over the weights (memory-bound at small batches: weight bytes / bandwidth
 is the decode roofline; twin `predict.inference`) plus attention over each request's context.
-Measured on this 2-core machine (SmolLM2-135M, over HTTP, 2026-11-23 18:26 UTC, with the C++ kernels
-of `nn.cpu_kernels` and the one-call decode step of `nn.fused_decode`): batch 1 36-39 tok/s fp32,
-48-51 tok/s bf16; bf16 at 16 / 32 in flight 360-400 / 480-500 tok/s (benchmarks/README.md; the
-machine's speed drifts by a third between runs).
+Measured over HTTP (SmolLM2-135M, 2 cores; benchmarks/README.md, where the machine's drift is noted):
+on an AMX host (2026-11-23 18:26 UTC) batch 1 36-39 tok/s fp32 and 48-51 bf16, bf16 at 16 / 32 in
+flight 360-400 / 480-500 tok/s; on an AVX2 host (2026-11-24 03:06 UTC, with the streamed matmul of
+`nn.packed_linear`) batch 1 35-40 tok/s fp32 and 45-61 bf16, bf16 at 16 / 32 in flight 113-125 /
+134-145 (prefill-bound: 2 cores of AVX2).
 Decode-only steps run every layer in one C++ call (`nn.fused_decode`) where the kernels apply.
 Not done: speculative decoding, CUDA graphs / torch.compile, tensor parallelism across processes.
 Tested in tests/serve/test_engine.py (greedy equal to HF transformers at batch 1 and mixed batches).
