@@ -22,7 +22,7 @@ import torch
 
 from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.llama import Llama, rope_cos_sin, rope_inverse_frequencies
-from mlsyslab.nn.packed_linear import Kernel, PackedLinear
+from mlsyslab.nn.packed_linear import PackedLinear
 from mlsyslab.nn.paged_attention import PagedAttention
 
 
@@ -38,7 +38,7 @@ class FusedDecode:
             layer.self_attn.fused_qkv, layer.self_attn.o_proj, layer.mlp.fused_gate_up, layer.mlp.down_proj)]
         self.out_features = [linear.out_features for linear in self.linears]
         self.inverse_frequencies = rope_inverse_frequencies(model.config)
-        self.weights_for_kernels: dict[tuple[Kernel, ...], list[torch.Tensor]] = {}
+        self.plans: dict[int, tuple[list[torch.Tensor], list[int]]] = {}  # rows -> (weights, kernel codes)
 
     @staticmethod
     def applies_to(model: Llama) -> bool:
@@ -57,13 +57,14 @@ class FusedDecode:
         model = self.model
         hidden = model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inverse_frequencies, positions, hidden.dtype)
-        kernels = tuple(linear.kernel(len(input_ids)) for linear in self.linears)
-        weights = self.weights_for_kernels.get(kernels)
-        if weights is None:
-            weights = self.weights_for_kernels[kernels] = [
-                linear.weight_for(kernel) for linear, kernel in zip(self.linears, kernels)]
+        plan = self.plans.get(len(input_ids))
+        if plan is None:
+            kernels = [linear.kernel(len(input_ids)) for linear in self.linears]
+            plan = self.plans[len(input_ids)] = (
+                [linear.weight_for(kernel) for linear, kernel in zip(self.linears, kernels)], [int(k) for k in kernels])
+        weights, kernels = plan
         hidden = cpu_kernels.load().decode_layers(
             hidden, cos.reshape(len(input_ids), -1), sin.reshape(len(input_ids), -1), self.norms, weights,
-            [int(kernel) for kernel in kernels], self.out_features, attention.k_cache, attention.v_cache, attention.slot_mapping,
+            kernels, self.out_features, attention.k_cache, attention.v_cache, attention.slot_mapping,
             attention.decode_tables, attention.decode_lengths, model.config.heads, model.config.rms_norm_eps)
         return model.lm_head(model.norm(hidden[logits_rows]))
