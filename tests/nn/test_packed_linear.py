@@ -72,3 +72,14 @@ def test_avx2_cpus_stream_small_steps(monkeypatch, dtype, wide):
     monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: False)
     assert kernel_plan(dtype) == ((packed_linear.STREAMED_BELOW, Kernel.STREAMED), (float("inf"), wide))
     check_every_row_count(dtype)
+
+
+def test_min_rows_prepares_only_the_kernels_it_can_reach():
+    """A copy for wide steps only (the engine's fp32 copy of 16-bit weights) prepares no kernel that
+    serves fewer rows, and still computes x Wᵀ."""
+    weight, x = torch.randn(48, 32), torch.randn(20, 32)
+    layer = PackedLinear(weight, min_rows=20)
+    assert all(below > 20 for below, _ in layer.plan)
+    for kernel in Kernel:
+        assert (layer.weight_for(kernel) is not None) == (kernel in {k for _, k in layer.plan})
+    torch.testing.assert_close(layer(x), x @ weight.T, atol=1e-4, rtol=1e-4)

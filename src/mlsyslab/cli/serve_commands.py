@@ -46,7 +46,7 @@ def serve_command(
     check_range("--port", port, 0, 65535)
     config = engine_config(kv_cache_gb, block_size, max_batched_tokens, max_running, max_waiting, prefix_cache)
     start = time.perf_counter()
-    load_model, load_tokenizer, name = load(model, dtype, threads, cache_dir, loaders_only=True)
+    load_model, load_tokenizer, name = loaders(model, dtype, threads, cache_dir)
     app, engine = build_server(load_model, load_tokenizer, name, config, threads or serving_threads())
     typer.echo(f"serving {name} ({dtype}, {engine.stats.kv_blocks_total} KV blocks of {block_size} tokens) "
                f"at http://{host}:{port}/v1 — ready in {time.perf_counter() - start:.1f} s", err=True)
@@ -116,19 +116,25 @@ def engine_config(kv_cache_gb, block_size, max_batched_tokens, max_running, max_
                         prefix_cache=prefix_cache)
 
 
-def load(model: str, dtype: str, threads: int | None, cache_dir: Path | None, loaders_only: bool = False):
-    """Validate the options, set the thread count, then load (model, tokenizer, name); with
-    `loaders_only`, (model loader, tokenizer loader, name) instead (`nn.pretrained.loaders`)."""
+def loaders(model: str, dtype: str, threads: int | None, cache_dir: Path | None):
+    """Validate the options, set the thread count, then (model loader, tokenizer loader, name)
+    (`nn.pretrained.loaders`)."""
     if dtype not in ("fp32", "bf16"):
         raise InvalidValue("--dtype", dtype, "fp32, bf16")
     check_positive(threads=threads)
     import torch
 
-    from mlsyslab.nn.pretrained import load_pretrained, loaders
+    from mlsyslab.nn import pretrained
 
     if threads is not None:
         torch.set_num_threads(threads)
-    return loaders(model, dtype, cache_dir) if loaders_only else load_pretrained(model, dtype, cache_dir)
+    return pretrained.loaders(model, dtype, cache_dir)
+
+
+def load(model: str, dtype: str, threads: int | None, cache_dir: Path | None):
+    """`loaders`, loaded: (model, tokenizer, name)."""
+    load_model, load_tokenizer, name = loaders(model, dtype, threads, cache_dir)
+    return load_model(), load_tokenizer(), name
 
 
 def bench_serve_command(

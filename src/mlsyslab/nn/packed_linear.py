@@ -61,12 +61,13 @@ class Kernel(enum.IntEnum):
 class PackedLinear(nn.Module):
     """y = x Wᵀ through the kernel `kernel_plan` picks for the step's row count. No bias, no gradients."""
 
-    def __init__(self, weight: torch.Tensor, batch_hint: int = BATCH_HINT):
-        """weight [out, in]; copied (the layer is a snapshot: training the original changes nothing here)."""
+    def __init__(self, weight: torch.Tensor, batch_hint: int = BATCH_HINT, min_rows: int = 1):
+        """weight [out, in]; copied (the layer is a snapshot: training the original changes nothing here).
+        min_rows: the smallest product it will compute — kernels only for fewer rows are not prepared."""
         super().__init__()
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
-        self.plan = kernel_plan(weight.dtype)
+        self.plan = tuple((below, kernel) for below, kernel in kernel_plan(weight.dtype) if below > min_rows)
         kernels = {kernel for _, kernel in self.plan}
         self.register_buffer("plain_weight", weight.clone() if Kernel.PLAIN in kernels else None)
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
@@ -142,26 +143,29 @@ def can_pack(model: Llama) -> bool:
         return False
 
 
-def packed_for_inference(model: Llama) -> Llama:
+def packed_for_inference(model: Llama, min_rows: int = 1) -> Llama:
     """A copy of `model` for serving: q/k/v and gate/up fused into one prepacked matrix each, every
     other linear prepacked; embeddings and norm weights shared. Where the C++ kernels build
-    (`nn.cpu_kernels`), RMSNorm, rope and silu·up run as one pass each. The original is untouched."""
+    (`nn.cpu_kernels`), RMSNorm, rope and silu·up run as one pass each. The original is untouched.
+    min_rows: the smallest step the copy will run (`PackedLinear`)."""
     packed = copy.copy(model)  # shallow: embeddings and norms are shared, not copied
     packed._modules = dict(model._modules)
     kernels = cpu_kernels.serves(model.lm_head.weight)
-    packed.layers = nn.ModuleList(packed_layer(layer, kernels) for layer in model.layers)
-    packed.lm_head = PackedLinear(model.lm_head.weight)
+    packed.layers = nn.ModuleList(packed_layer(layer, kernels, min_rows) for layer in model.layers)
+    packed.lm_head = PackedLinear(model.lm_head.weight, min_rows=min_rows)
     if kernels:
         packed.norm = cpu_kernels.KernelRMSNorm(model.norm)
     return packed.eval()
 
 
-def packed_layer(layer: nn.Module, kernels: bool) -> nn.Module:
+def packed_layer(layer: nn.Module, kernels: bool, min_rows: int) -> nn.Module:
     attention, mlp = shallow_copy(layer.self_attn), shallow_copy(layer.mlp)
-    attention.fused_qkv = FusedPackedLinear([attention._modules.pop(name) for name in ("q_proj", "k_proj", "v_proj")])
-    attention.o_proj = PackedLinear(attention.o_proj.weight)
-    mlp.fused_gate_up = FusedPackedLinear([mlp._modules.pop(name) for name in ("gate_proj", "up_proj")])
-    mlp.down_proj = PackedLinear(mlp.down_proj.weight)
+    names = ("q_proj", "k_proj", "v_proj")
+    attention.fused_qkv = FusedPackedLinear([attention._modules.pop(name) for name in names], min_rows=min_rows)
+    attention.o_proj = PackedLinear(attention.o_proj.weight, min_rows=min_rows)
+    names = ("gate_proj", "up_proj")
+    mlp.fused_gate_up = FusedPackedLinear([mlp._modules.pop(name) for name in names], min_rows=min_rows)
+    mlp.down_proj = PackedLinear(mlp.down_proj.weight, min_rows=min_rows)
     new = shallow_copy(layer)
     new.self_attn, new.mlp = attention, mlp
     if kernels:
@@ -181,8 +185,8 @@ def shallow_copy(module: nn.Module) -> nn.Module:
 class FusedPackedLinear(PackedLinear):
     """Several linears on the same input as one prepacked matrix; returns their outputs in order."""
 
-    def __init__(self, linears: list[nn.Linear], batch_hint: int = BATCH_HINT):
-        super().__init__(torch.cat([linear.weight.detach() for linear in linears]), batch_hint)
+    def __init__(self, linears: list[nn.Linear], batch_hint: int = BATCH_HINT, min_rows: int = 1):
+        super().__init__(torch.cat([linear.weight.detach() for linear in linears]), batch_hint, min_rows)
         self.sizes = [linear.out_features for linear in linears]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -84,9 +84,10 @@ class Engine:
         self.seed_source = torch.Generator().manual_seed(0)
         self.steps = self.prefill_tokens = self.decode_tokens = 0
 
-    def serving_copy(self, model: Llama) -> tuple[Llama, FusedDecode | None]:
-        """The model the steps run (prepacked where it can be), and its one-call decode step where it applies."""
-        serving = packed_for_inference(model) if self.config.packed_linears and can_pack(model) else model
+    def serving_copy(self, model: Llama, min_rows: int = 1) -> tuple[Llama, FusedDecode | None]:
+        """The model the steps of `min_rows` tokens or more run (prepacked where it can be), and its
+        one-call decode step where it applies."""
+        serving = packed_for_inference(model, min_rows) if self.config.packed_linears and can_pack(model) else model
         fused = FusedDecode(serving) if self.config.fused_decode and FusedDecode.applies_to(serving) else None
         return serving, fused
 
@@ -110,7 +111,7 @@ class Engine:
             wide_from = 0 if cpu_kernels.cpu_has_amx() else 16
         if wide_from <= 0:
             return None, 0
-        return self.serving_copy(copy.deepcopy(model).float())[0], wide_from
+        return self.serving_copy(copy.deepcopy(model).float(), wide_from)[0], wide_from
 
     def refresh_weights(self) -> None:
         """Re-read the source model's weights after training changed them: the prepacked linears are

@@ -67,11 +67,11 @@ class EngineProcess:
     """`async for item in await engine.submit(id, prompt_ids, params)`: Deltas, then the RequestOutput."""
 
     def __init__(self, model, tokenizer, config, threads: int | None = None, on_finish=None,
-                 start_timeout_s: float = 300.0, wait: bool = True):
-        """model, tokenizer: the objects, or zero-argument picklable functions that load them
-        (`nn.pretrained.loaders`), called in the child — so that it reads the weights and imports the
-        tokenizer's libraries while this process does its own start-up. `wait`: return once the engine
-        is ready (False: call `wait_started` before using it)."""
+                 start_timeout_s: float = 300.0):
+        """Start the child; call `wait_started` before using the engine. model, tokenizer: the objects,
+        or zero-argument picklable functions that load them (`nn.pretrained.loaders`), called in the
+        child — so that it reads the weights and imports the tokenizer's libraries while this process
+        does its own start-up."""
         context = torch.multiprocessing.get_context("spawn")
         child_commands, self.commands = context.Pipe(duplex=False)
         self.results, child_results = context.Pipe(duplex=False)
@@ -87,8 +87,6 @@ class EngineProcess:
         self.process.start()
         child_commands.close()
         child_results.close()
-        if wait:
-            self.wait_started()
 
     def wait_started(self) -> None:
         """Block until the child has built its engine (raises if it failed or took too long)."""

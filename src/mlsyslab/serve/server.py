@@ -46,7 +46,7 @@ def build_server(model, tokenizer, model_name: str, config, threads: int | None 
     this one loads the tokenizer, on the two cores at once (`mlsys serve` started in 10-11 s one after
     the other on a 2-core AVX2 host, 2026-11-24)."""
     metrics = EngineMetrics()
-    engine = EngineProcess(model, tokenizer, config, threads, on_finish=metrics.observe, wait=False)
+    engine = EngineProcess(model, tokenizer, config, threads, on_finish=metrics.observe)
     tokenizer = tokenizer() if callable(tokenizer) else tokenizer
     engine.wait_started()
     metrics.watch(lambda: engine.stats)

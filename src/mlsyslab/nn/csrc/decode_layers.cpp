@@ -9,10 +9,11 @@
 //   h = h + attention(q, cache)·Woᵀ; x = rms_norm(h); h = h + (silu(x·Wgᵀ) · x·Wuᵀ)·Wdᵀ.
 // The matmuls are the ones `nn.packed_linear.PackedLinear` picks for this many rows — oneDNN on the
 // prepacked weight (`mkldnn::_linear_pointwise`, its `.binary` add folding the residual), ATen on the
-// plain one (`addmm`), or the streamed kernel on its tiled weight (streamed_linear.cpp) — the first two called through the
-// dispatcher, so the results are bit-equal to the Python path (tests/nn/test_fused_decode.py). Used by `nn.fused_decode`; decodes only (one new token per
-// sequence, the cache in the model's dtype); prefill steps keep the Python path, where the matmuls
-// dwarf the overhead.
+// plain one (`addmm`), or the streamed kernel on its tiled weight (streamed_linear.cpp) — the first two
+// called through the dispatcher — so the results are bit-equal to the Python path
+// (tests/nn/test_fused_decode.py). Used by `nn.fused_decode`; decodes only (one new token per sequence,
+// the cache in the model's dtype); prefill steps keep the Python path, where the matmuls dwarf the
+// overhead.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -100,7 +101,9 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
   const double scale = 1.0 / std::sqrt(double(head_dim));
   at::Tensor hidden = hidden_in;
   for (int64_t l = 0; l < layers; ++l) {
-    const auto linear = [&](int64_t i) { return Linear{weights[4 * l + i], kernels[4 * l + i], out_features[4 * l + i]}; };
+    const auto linear = [&](int64_t i) {
+      return Linear{weights[4 * l + i], kernels[4 * l + i], out_features[4 * l + i]};
+    };
     const Linear qkv = linear(0), o = linear(1), gate_up = linear(2), down = linear(3);
     at::Tensor k_layer = k_cache[l], v_layer = v_cache[l];
     const at::Tensor fused = qkv(rms_norm(hidden, norms[2 * l], eps));
@@ -126,6 +129,7 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
 
 TORCH_LIBRARY_FRAGMENT(mlsyslab, m) {
   m.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] weights, int[] kernels, "
-        "int[] out_features, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor tables, Tensor lengths, int heads, float eps) "
+        "int[] out_features, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor tables, Tensor lengths, "
+        "int heads, float eps) "
         "-> Tensor", &mlsyslab::decode_layers);
 }

@@ -1,11 +1,13 @@
 // The kernels one file calls from another: decode_layers.cpp runs a whole decode step through the
-// per-step kernels of layer_ops.cpp, paged_decode.cpp and streamed_linear.cpp. Each is also a `torch.ops.mlsyslab` op.
+// per-step kernels of layer_ops.cpp, paged_decode.cpp and streamed_linear.cpp. Each is also a
+// `torch.ops.mlsyslab` op.
 #pragma once
 
 #include <ATen/ATen.h>
 
 namespace mlsyslab {
 
+void check_float_or_bf16(const at::Tensor& t, const char* name);  // layer_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);

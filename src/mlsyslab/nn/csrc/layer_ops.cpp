@@ -78,14 +78,14 @@ void rope_rows(T* x, const T* cos, const T* sin, int64_t tokens, int64_t token_s
   });
 }
 
+}  // namespace
+
+namespace mlsyslab {
+
 void check_float_or_bf16(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16),
               name, ": an fp32 or bf16 CPU tensor, got ", t.scalar_type(), " on ", t.device());
 }
-
-}  // namespace
-
-namespace mlsyslab {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_float_or_bf16(x, "x");

@@ -165,11 +165,6 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& tiles, int64_t out, const 
   return y;
 }
 
-void check_float_or_bf16(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16), name,
-              ": an fp32 or bf16 CPU tensor, got ", t.scalar_type(), " on ", t.device());
-}
-
 }  // namespace
 
 namespace mlsyslab {
