@@ -1,4 +1,5 @@
-"""The one-call decode step (nn/fused_decode.py, csrc/decode_layers.cpp) equals the Python layers bit for bit."""
+"""The one-call decode step (nn/fused_decode.py; csrc/decode_layers.cpp and csrc/streamed_decode.cpp) equals the
+Python layers bit for bit."""
 
 import pytest
 import torch
@@ -6,7 +7,8 @@ import torch
 from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.fused_decode import FusedDecode
 from mlsyslab.nn.llama import Llama, LlamaConfig
-from mlsyslab.nn.packed_linear import packed_for_inference
+from mlsyslab.nn import packed_linear
+from mlsyslab.nn.packed_linear import STREAMED_BELOW, packed_for_inference
 from mlsyslab.nn.paged_attention import PagedAttention, SequenceSlice
 from mlsyslab.serve.engine import Engine, EngineConfig
 from mlsyslab.serve.sampling import SamplingParams
@@ -37,19 +39,49 @@ def decode_case(dtype, context_lens, block_size=16, num_blocks=32):
     return k_cache, v_cache, slices, ids, positions
 
 
+@pytest.fixture(params=["this CPU's plan", "AVX2 plan"])
+def plan(request, monkeypatch):
+    """The kernel plan of this CPU, and the one of CPUs where oneDNN cannot pack bf16 (steps under
+    STREAMED_BELOW rows take the streamed kernel everywhere, so the step is one `streamed_decode`)."""
+    if request.param == "AVX2 plan":
+        monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: False)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("context_lens", [[1], [40], [5, 16, 17, 70, 33]])
-def test_fused_decode_equals_the_python_layers_and_writes_the_same_cache(dtype, context_lens):
+@pytest.mark.parametrize("context_lens", [[1], [40], [5, 16, 17, 70, 33], [3 + 5 * i for i in range(STREAMED_BELOW)]])
+def test_fused_decode_equals_the_python_layers_and_writes_the_same_cache(dtype, context_lens, plan):
     model = serving_model(dtype)
     assert FusedDecode.applies_to(model)
-    k_cache, v_cache, slices, ids, positions = decode_case(dtype, context_lens)
+    fused = FusedDecode(model)
+    if plan == "AVX2 plan":  # one parallel region under STREAMED_BELOW rows, the per-op loop from there
+        assert fused.plan(len(context_lens)).streamed == (len(context_lens) < STREAMED_BELOW)
+    k_cache, v_cache, slices, ids, positions = decode_case(dtype, context_lens, num_blocks=64)
     rows = torch.arange(len(context_lens))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    some_rows = torch.tensor([len(context_lens) - 1, 0])  # logits of a few rows, in any order
     with torch.inference_mode():
+        before = k_cache.clone(), v_cache.clone()
         expected = model.forward_packed(ids, positions, PagedAttention(k_ref, v_ref, slices), rows)
-        got = FusedDecode(model)(ids, positions, PagedAttention(k_cache, v_cache, slices), rows)
+        expected_picked = model.forward_packed(ids, positions, PagedAttention(*before, slices), some_rows)
+        got = fused(ids, positions, PagedAttention(k_cache, v_cache, slices), rows)
+        picked = fused(ids, positions, PagedAttention(*(t.clone() for t in before), slices), some_rows)
     assert torch.equal(got, expected)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert torch.equal(picked, expected_picked)
+
+
+def test_streamed_decode_refuses_inputs_that_do_not_fit(monkeypatch):
+    monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: False)
+    model = serving_model(torch.float32)
+    fused = FusedDecode(model)
+    k_cache, v_cache, slices, ids, positions = decode_case(torch.float32, [20, 3])
+    with pytest.raises(RuntimeError, match=r"logit_rows\[0\] = 2: not a row of hidden \(0..1\)"):
+        fused(ids, positions, PagedAttention(k_cache, v_cache, slices), torch.tensor([2]))
+    plan = fused.plan(2)
+    plan.weights[5] = plan.weights[4]  # layer 1's o_proj given its q|k|v tiles
+    with pytest.raises(RuntimeError, match="tiles: out_features 64 does not fit tiles of 32 groups"):
+        fused(ids, positions, PagedAttention(k_cache, v_cache, slices), torch.arange(2))
 
 
 def test_fused_decode_refuses_prefill_steps_and_bad_slots():

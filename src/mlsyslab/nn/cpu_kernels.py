@@ -7,6 +7,10 @@
   through `KernelRMSNorm`, `silu_and_mul` and `rope`.
 - `decode_layers` (csrc/decode_layers.cpp): a decode step through every decoder layer in one call, the
   kernels above and the serving copy's matmuls in C++ order; used by `nn.fused_decode`.
+- `stream_pack`, `streamed_linear` (csrc/streamed_linear.cpp): the matrix-vector product of small
+  decode steps, on a tiled copy of the weight (`nn.packed_linear`).
+- `streamed_decode` (csrc/streamed_decode.cpp): a whole decode step, logits included, in one parallel
+  region, when every matrix takes the streamed kernel; used by `nn.fused_decode`.
 
 The kernels are compiled at first use with `torch.utils.cpp_extension.load` (g++ and ninja; ~15 s
 here) into the torch extensions cache and loaded in well under a second afterwards. They are built

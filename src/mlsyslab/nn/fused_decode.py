@@ -1,15 +1,19 @@
-"""A decode step through every decoder layer in one C++ call (csrc/decode_layers.cpp).
+"""A decode step through every decoder layer in one C++ call (csrc/decode_layers.cpp, csrc/streamed_decode.cpp).
 
 At decode batch sizes a decoder layer is four matmuls and about fifteen small operations; the
 interpreter and dispatch around the small ones cost more than the operations themselves. Measured
 here (SmolLM2-135M, 2 cores): the batch-1 fp32 step spent 21.7 ms in matmuls and 8.4 ms in
 everything else, most of it Python. `FusedDecode` runs the same kernels in the same order as the
 serving copy's Python layers (`nn.packed_linear.packed_for_inference`, with `nn.cpu_kernels`), the loop
-over layers in C++: embedding, rope tables, the final norm and the logits stay in Python, once a step.
-The kernel each weight takes (oneDNN on the prepacked weight, ATen on the plain weight, or the streamed
-kernel on its tiled one) is the one `PackedLinear.kernel` picks for the step's rows, so the logits are bit-equal
-to the Python path's
-(tests/nn/test_fused_decode.py).
+over layers in C++; embedding and rope tables stay in Python, once a step. The kernel each weight
+takes (oneDNN on the prepacked weight, ATen on the plain weight, or the streamed kernel on its tiled
+one) is the one `PackedLinear.kernel` picks for the step's rows, so the logits are bit-equal to the
+Python path's (tests/nn/test_fused_decode.py). Two C++ steps:
+- where every matrix of the step takes the streamed kernel (steps under `STREAMED_BELOW` rows on CPUs
+  where oneDNN cannot pack bf16), `streamed_decode` runs the layers, the final norm and the logits in one
+  parallel region, the threads meeting at barriers (on Zen 3, bf16 batch 1: ~1 ms a step less than the
+  per-op loop: 121 fork/joins and ~600 tensor allocations gone);
+- otherwise `decode_layers` calls each kernel as an ATen op, and the final norm and logits run here.
 
 It applies to steps that only decode (one new token per sequence) with the paged kernel reading the
 cache (`PagedAttention.in_place`); the engine (`serve.engine`) takes the Python path for every other
@@ -18,12 +22,26 @@ step — prefill chunks, where the matmuls dwarf the overhead.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.llama import Llama, rope_cos_sin, rope_inverse_frequencies
-from mlsyslab.nn.packed_linear import PackedLinear
+from mlsyslab.nn.packed_linear import Kernel, PackedLinear
 from mlsyslab.nn.paged_attention import PagedAttention
+
+
+@dataclass
+class StepPlan:
+    """What a step of some row count runs: each matrix's weight for its kernel, the kernel codes, the
+    lm_head's weight, and whether every matrix takes the streamed kernel (then the whole step is one
+    `streamed_decode` call)."""
+
+    weights: list[torch.Tensor]
+    kernels: list[int]
+    head_weight: torch.Tensor
+    streamed: bool
 
 
 class FusedDecode:
@@ -38,7 +56,7 @@ class FusedDecode:
             layer.self_attn.fused_qkv, layer.self_attn.o_proj, layer.mlp.fused_gate_up, layer.mlp.down_proj)]
         self.out_features = [linear.out_features for linear in self.linears]
         self.inverse_frequencies = rope_inverse_frequencies(model.config)
-        self.plans: dict[int, tuple[list[torch.Tensor], list[int]]] = {}  # rows -> (weights, kernel codes)
+        self.plans: dict[int, StepPlan] = {}
 
     @staticmethod
     def applies_to(model: Llama) -> bool:
@@ -57,14 +75,27 @@ class FusedDecode:
         model = self.model
         hidden = model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inverse_frequencies, positions, hidden.dtype)
-        plan = self.plans.get(len(input_ids))
-        if plan is None:
-            kernels = [linear.kernel(len(input_ids)) for linear in self.linears]
-            plan = self.plans[len(input_ids)] = (
-                [linear.weight_for(kernel) for linear, kernel in zip(self.linears, kernels)], [int(k) for k in kernels])
-        weights, kernels = plan
-        hidden = cpu_kernels.load().decode_layers(
-            hidden, cos.reshape(len(input_ids), -1), sin.reshape(len(input_ids), -1), self.norms, weights,
-            kernels, self.out_features, attention.k_cache, attention.v_cache, attention.slot_mapping,
-            attention.decode_tables, attention.decode_lengths, model.config.heads, model.config.rms_norm_eps)
+        plan = self.plan(len(input_ids))
+        cos, sin = cos.reshape(len(input_ids), -1), sin.reshape(len(input_ids), -1)
+        config, ops = model.config, cpu_kernels.load()
+        if plan.streamed:
+            return ops.streamed_decode(
+                hidden, cos, sin, self.norms, plan.weights, model.norm.weight, plan.head_weight, config.vocab,
+                attention.k_cache, attention.v_cache, attention.slot_mapping, attention.decode_tables,
+                attention.decode_lengths, logits_rows, config.heads, config.ffn_hidden, config.rms_norm_eps)
+        hidden = ops.decode_layers(
+            hidden, cos, sin, self.norms, plan.weights, plan.kernels, self.out_features, attention.k_cache,
+            attention.v_cache, attention.slot_mapping, attention.decode_tables, attention.decode_lengths, config.heads,
+            config.rms_norm_eps)
         return model.lm_head(model.norm(hidden[logits_rows]))
+
+    def plan(self, rows: int) -> StepPlan:
+        """The kernels and weights of a step of `rows` tokens (computed once per row count)."""
+        if rows not in self.plans:
+            kernels = [linear.kernel(rows) for linear in self.linears]
+            head = self.model.lm_head.kernel(rows)
+            streamed = all(kernel == Kernel.STREAMED for kernel in [*kernels, head])
+            self.plans[rows] = StepPlan([linear.weight_for(kernel) for linear, kernel in zip(self.linears, kernels)],
+                                        [int(kernel) for kernel in kernels], self.model.lm_head.weight_for(head),
+                                        streamed)
+        return self.plans[rows]

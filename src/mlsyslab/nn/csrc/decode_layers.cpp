@@ -72,6 +72,15 @@ void write_slots(at::Tensor& cache, const at::Tensor& values, const int64_t* slo
 
 namespace mlsyslab {
 
+void check_slots(const at::Tensor& slots, int64_t tokens, int64_t cache_slots) {
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == tokens && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "slots: contiguous int64 [tokens]");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < cache_slots, "slots[", t, "] = ", slot[t], ": not a slot of the cache (0..",
+                cache_slots - 1, ")");
+}
+
 // hidden [tokens, hidden] after the embedding -> after the last layer (before the final norm).
 // norms: 2 per layer (input, post-attention); weights: 4 per layer (qkv, o, gate|up, down), each the
 // weight of the kernel `kernels` names, with `out_features` outputs; caches [layers, kv_heads,
@@ -91,13 +100,8 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
               k_cache.scalar_type() == hidden_in.scalar_type() && v_cache.scalar_type() == hidden_in.scalar_type(),
               "k_cache, v_cache: contiguous [layers, kv_heads, num_blocks, block_size, head_dim] in hidden's dtype");
   TORCH_CHECK(heads % kv_heads == 0, "heads (", heads, ") must be a multiple of kv_heads (", kv_heads, ")");
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == tokens && slots.scalar_type() == at::kLong && slots.is_contiguous(),
-              "slots: contiguous int64 [tokens]");
+  check_slots(slots, tokens, k_cache.size(2) * k_cache.size(3));
   const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t cache_slots = k_cache.size(2) * k_cache.size(3);
-  for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < cache_slots, "slots[", t, "] = ", slot[t], ": not a slot of the cache (0..",
-                cache_slots - 1, ")");
   const double scale = 1.0 / std::sqrt(double(head_dim));
   at::Tensor hidden = hidden_in;
   for (int64_t l = 0; l < layers; ++l) {

@@ -1,6 +1,8 @@
 // The kernels one file calls from another: decode_layers.cpp runs a whole decode step through the
-// per-step kernels of layer_ops.cpp, paged_decode.cpp and streamed_linear.cpp. Each is also a
-// `torch.ops.mlsyslab` op.
+// per-step kernels of layer_ops.cpp, paged_decode.cpp and streamed_linear.cpp, each an ATen op here;
+// streamed_decode.cpp runs the same step inside one parallel region, sharing out among its threads the
+// row, item and group ranges of the range functions below (each is also inside a `torch.ops.mlsyslab`
+// op, which shares the same ranges out with `at::parallel_for`).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,9 +13,47 @@ void check_float_or_bf16(const at::Tensor& t, const char* name);  // layer_ops.c
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+// One row of each (T: float or c10::BFloat16); `rotated` is head_dim floats of scratch.
+template <typename T> void rms_norm_row(const T* x, const T* weight, T* out, int64_t hidden, float eps);
+template <typename T> void silu_and_mul_span(const T* gate, const T* up, T* out, int64_t width);
+template <typename T> void rope_head(T* head, const T* cos, const T* sin, int64_t head_dim, float* rotated);
+
+// paged_decode.cpp: decode attention over the paged cache; an item is one (sequence, KV head).
+template <typename T>
+struct PagedDecode {
+  const float* query;  // [sequences, heads, head_dim]
+  const T* k_cache;    // [kv_heads, num_blocks, block_size, head_dim], and v_cache
+  const T* v_cache;
+  const int64_t* tables;   // [sequences, width]
+  const int64_t* lengths;  // [sequences]
+  float* out;              // [sequences, heads, head_dim]
+  int64_t sequences, heads, kv_heads, num_blocks, block_size, width, head_dim;
+  float scale;
+  int64_t items() const { return sequences * kv_heads; }
+};
+template <typename T> void paged_decode_items(const PagedDecode<T>& problem, int64_t begin, int64_t end);
+void check_paged_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t heads, const at::Tensor& tables,
+                       const at::Tensor& lengths, int64_t sequences);
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& tables, const at::Tensor& lengths, double scale);
+
+// streamed_linear.cpp: y = x·Wᵀ (+ residual) on the tiles of `stream_pack`, by groups of 8 outputs.
+template <typename T>
+struct StreamedProduct {
+  const float* x;     // [rows, chunks · chunk width], from streamed_input
+  const T* tiles;     // [groups, chunks, 8, chunk width], from stream_pack
+  const T* residual;  // [rows, out] or null
+  T* y;               // [rows, out]
+  int64_t rows, chunks, out;
+};
+// x's rows (in the tiles' dtype) in the order the tiles hold their inputs, in a buffer of the calling thread's.
+template <typename T> const float* streamed_input(const T* x, int64_t rows, int64_t in, int64_t row_stride, int64_t chunks);
+void check_tiles(const at::Tensor& tiles, int64_t out, int64_t in, const char* name);  // tiles of a [out, in] weight
+template <typename T> void streamed_groups(const StreamedProduct<T>& product, int64_t begin, int64_t end);
 at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t out,
                            const std::optional<at::Tensor>& residual);
+
+// decode_layers.cpp: slots [tokens], each new token's slot in a cache of `cache_slots` slots per head.
+void check_slots(const at::Tensor& slots, int64_t tokens, int64_t cache_slots);
 
 }  // namespace mlsyslab

@@ -30,57 +30,63 @@ constexpr int64_t kGrain = 1 << 14;  // elements per thread below which splittin
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t hidden, float eps) {
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / hidden), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* row = x + r * hidden;
-      float squares = 0.f;
-      for (int64_t i = 0; i < hidden; ++i) squares += widen(row[i]) * widen(row[i]);
-      const float inverse = static_cast<float>(1.0 / std::sqrt(double(squares / hidden + eps)));
-      for (int64_t i = 0; i < hidden; ++i)
-        out[r * hidden + i] = narrow<T>(widen(row[i]) * inverse * widen(w[i]));
-    }
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(x + r * hidden, w, out + r * hidden, hidden, eps);
   });
 }
 
 template <typename T>
 void silu_and_mul_rows(const T* gates, const T* ups, T* out, int64_t rows, int64_t width, int64_t row_stride) {
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / width), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* __restrict gate = gates + r * row_stride;
-      const T* __restrict up = ups + r * row_stride;
-      T* __restrict o = out + r * width;
-      for (int64_t i = 0; i < width; ++i) {
-        const float g = widen(gate[i]);
-        o[i] = narrow<T>(rounded<T>(g / (1.f + std::exp(-g))) * widen(up[i]));
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) silu_and_mul_span(gates + r * row_stride, ups + r * row_stride, out + r * width, width);
   });
 }
 
 template <typename T>
 void rope_rows(T* x, const T* cos, const T* sin, int64_t tokens, int64_t token_stride, int64_t heads, int64_t dim) {
-  const int64_t half = dim / 2;
   at::parallel_for(0, tokens, std::max<int64_t>(1, kGrain / (heads * dim)), [&](int64_t begin, int64_t end) {
     std::vector<float> rotated(dim);
-    for (int64_t t = begin; t < end; ++t) {
-      const T* __restrict c = cos + t * dim;
-      const T* __restrict s = sin + t * dim;
-      for (int64_t h = 0; h < heads; ++h) {
-        T* __restrict v = x + t * token_stride + h * dim;
-        float* __restrict r = rotated.data();
-        for (int64_t i = 0; i < half; ++i) {  // (x₂, x₁): rotate_half's halves, before v is overwritten
-          r[i] = widen(v[i + half]);
-          r[i + half] = widen(v[i]);
-        }
-        for (int64_t i = 0; i < dim; ++i)
-          v[i] = narrow<T>(rounded<T>(widen(v[i]) * widen(c[i])) + rounded<T>(r[i] * widen(s[i])));
-      }
-    }
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < heads; ++h) rope_head(x + t * token_stride + h * dim, cos + t * dim, sin + t * dim, dim, rotated.data());
   });
 }
 
 }  // namespace
 
 namespace mlsyslab {
+
+template <typename T>
+void rms_norm_row(const T* x, const T* w, T* out, int64_t hidden, float eps) {
+  float squares = 0.f;
+  for (int64_t i = 0; i < hidden; ++i) squares += widen(x[i]) * widen(x[i]);
+  const float inverse = static_cast<float>(1.0 / std::sqrt(double(squares / hidden + eps)));
+  for (int64_t i = 0; i < hidden; ++i) out[i] = narrow<T>(widen(x[i]) * inverse * widen(w[i]));
+}
+
+template <typename T>
+void silu_and_mul_span(const T* __restrict gate, const T* __restrict up, T* __restrict out, int64_t width) {
+  for (int64_t i = 0; i < width; ++i) {
+    const float g = widen(gate[i]);
+    out[i] = narrow<T>(rounded<T>(g / (1.f + std::exp(-g))) * widen(up[i]));
+  }
+}
+
+template <typename T>
+void rope_head(T* __restrict v, const T* __restrict c, const T* __restrict s, int64_t dim, float* __restrict rotated) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < half; ++i) {  // (x₂, x₁): rotate_half's halves, before v is overwritten
+    rotated[i] = widen(v[i + half]);
+    rotated[i + half] = widen(v[i]);
+  }
+  for (int64_t i = 0; i < dim; ++i)
+    v[i] = narrow<T>(rounded<T>(widen(v[i]) * widen(c[i])) + rounded<T>(rotated[i] * widen(s[i])));
+}
+
+template void rms_norm_row(const float*, const float*, float*, int64_t, float);
+template void rms_norm_row(const c10::BFloat16*, const c10::BFloat16*, c10::BFloat16*, int64_t, float);
+template void silu_and_mul_span(const float*, const float*, float*, int64_t);
+template void silu_and_mul_span(const c10::BFloat16*, const c10::BFloat16*, c10::BFloat16*, int64_t);
+template void rope_head(float*, const float*, const float*, int64_t, float*);
+template void rope_head(c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, int64_t, float*);
 
 void check_float_or_bf16(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16),

@@ -1,20 +1,22 @@
 // Decode attention straight from the paged KV cache: one new query token per sequence, K/V read in
 // place through the block table (vLLM's paged_attention kernel, Kwon et al., SOSP 2023, here for CPU).
 //
-// For each (sequence, KV head) — split across torch's OpenMP threads — the `heads / kv_heads` query
-// heads sharing that KV head (GQA) walk the context once, 16 tokens at a time, with the online softmax
-// (Milakov & Gimelshein 2018; FlashAttention's decode form): the 16 scores q·k/√d of a chunk come out
-// as one vector (16 dot products reduced together by a transpose-and-add, not one horizontal sum each),
-// the running maximum and sum are updated, the accumulator rescaled, and the chunk's V rows added with
-// their weights. Every cached K/V row is read once from where it lives, K and V of a block together;
-// no gathered copy of the context (the PyTorch path copies it, then multiplies: three passes over the
-// bytes) and no score buffer. Blocks are scattered over the pool, so each walk asks for its first block
-// before it starts and for the next block while one is read. Arithmetic is fp32; a bf16 cache is
-// widened in registers (bf16 is the top half of an fp32), so a bf16 model's cache holds its K/V exactly
-// in half the bytes (16-float vectors: vec.h). Measured here (bf16, 32 sequences of 170 tokens, SmolLM2's
-// 30 layers of 9 query / 3 KV heads): 18.5 ms a step with a score buffer and one horizontal sum per
-// token, 10 ms this way with blocks laid out as the engine allocates them, 6.6 ms if the cache fit in
-// the caches — the rest is waiting on memory.
+// For each (sequence, KV head) — an item; the items are shared out among threads — the `heads / kv_heads`
+// query heads sharing that KV head (GQA) walk the context once, one vector's worth of tokens at a time
+// (kLanes: 16 with AVX-512, 8 with AVX2), with the online softmax (Milakov & Gimelshein 2018;
+// FlashAttention's decode form): the scores q·k/√d of a chunk come out as one vector (its dot products
+// reduced together by a transpose-and-add, not one horizontal sum each), the running maximum and sum
+// are updated, the accumulator rescaled, and the chunk's V rows added with their weights. Every cached
+// K/V row is read once from where it lives, K and V of a block together; no gathered copy of the
+// context (the PyTorch path copies it, then multiplies: three passes over the bytes) and no score
+// buffer. Blocks are scattered over the pool, so each walk asks for its first block before it starts
+// and for the next block while one is read. Arithmetic is fp32; a bf16 cache is widened in registers
+// (bf16 is the top half of an fp32), so a bf16 model's cache holds its K/V exactly in half the bytes
+// (vectors: vec.h). Measured on an AVX-512 host (bf16, 32 sequences of 170 tokens, SmolLM2's 30 layers
+// of 9 query / 3 KV heads): 18.5 ms a step with a score buffer and one horizontal sum per token, 10 ms
+// this way with blocks laid out as the engine allocates them, 6.6 ms if the cache fit in the caches —
+// the rest is waiting on memory. On Zen 3 (AVX2), 16-token chunks in 16-float vectors took 22 µs per
+// item of 228 tokens (the compiler split every vector and shuffle in two), 8-token chunks 11 µs.
 // Built at first use by `mlsyslab.nn.cpu_kernels`; tested against `nn.paged_attention.decode_attention`.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -34,10 +36,11 @@ namespace {
 
 using namespace mlsyslab;
 
-// Lane i of the result: the sum of the lanes of v[i]. Four rounds of pairwise shuffle-and-add, each
+// Lane i of the result: the sum of the lanes of v[i]. With 16 lanes, four rounds of pairwise shuffle-and-add, each
 // halving the vectors while doubling how many of v are folded into each (45 operations, against 16
 // separate horizontal sums of ~8 each).
-inline Floats transpose_sum(Floats v[kLanes]) {
+inline Floats transpose_sum(Floats (&v)[kLanes]) {
+#if defined(__AVX512F__)
   Floats w[8], x[4], y[2];
   for (int i = 0; i < 8; ++i)
     w[i] = __builtin_shufflevector(v[i], v[i + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -50,6 +53,9 @@ inline Floats transpose_sum(Floats v[kLanes]) {
            __builtin_shufflevector(x[i], x[i + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
   return __builtin_shufflevector(y[0], y[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
          __builtin_shufflevector(y[0], y[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+#else
+  return transpose_sum8(v);  // AVX2: 8 lanes
+#endif
 }
 
 template <typename T>
@@ -60,11 +66,6 @@ inline void prefetch(const T* p, int64_t count) {
 
 constexpr int64_t kPrefetchBlocks = 2;  // the block being read and the next (3 measured no better)
 
-struct Shape {
-  int64_t sequences, heads, kv_heads, num_blocks, block_size, width;
-  float scale;
-};
-
 // The running state of one query head: maximum score so far, sum of e^(score - maximum), and the
 // e^(score - maximum)-weighted sum of V rows.
 template <int C>
@@ -74,121 +75,134 @@ struct Softmax {
 };
 
 template <typename T, int HeadDim>
-void decode(const float* query, const T* k_cache, const T* v_cache, const int64_t* tables, const int64_t* lengths,
-            float* out, const Shape& shape) {
+void decode(const PagedDecode<T>& problem, int64_t begin, int64_t end) {
   constexpr int C = HeadDim / kLanes;
-  const int64_t group = shape.heads / shape.kv_heads, block_size = shape.block_size;
+  const T* k_cache = problem.k_cache;
+  const T* v_cache = problem.v_cache;
+  const int64_t group = problem.heads / problem.kv_heads, block_size = problem.block_size;
   const int64_t block_elements = block_size * HeadDim;
-  at::parallel_for(0, shape.sequences * shape.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<Floats> q(group * C);
-    std::vector<Softmax<C>> state(group);
-    std::vector<Floats> weights(group);  // one chunk's e^(score - maximum), per query head
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / shape.kv_heads, h = item % shape.kv_heads, length = lengths[s];
-      const int64_t* table = tables + s * shape.width;
-      const int64_t head_offset = h * shape.num_blocks;  // head h's copy of block b: (h · num_blocks + b)
-      const float* q_row = query + (s * shape.heads + h * group) * HeadDim;
-      for (int64_t i = 0; i < group * C; ++i) q[i] = load(q_row + i * kLanes) * shape.scale;
-      std::fill(state.begin(), state.end(), Softmax<C>{});
-      const int64_t blocks = (length + block_size - 1) / block_size;
-      auto prefetch_block = [&](int64_t b) {
-        if (b >= blocks) return;
-        const int64_t at = (head_offset + table[b]) * block_elements;
-        prefetch(k_cache + at, block_elements);
-        prefetch(v_cache + at, block_elements);
-      };
-      for (int64_t b = 0; b < kPrefetchBlocks - 1; ++b) prefetch_block(b);
-      for (int64_t start = 0; start < length; start += block_size) {
-        const int64_t offset = (head_offset + table[start / block_size]) * block_elements;
-        prefetch_block(start / block_size + kPrefetchBlocks - 1);
-        const int64_t in_block = std::min(block_size, length - start);
-        for (int64_t chunk = 0; chunk < in_block; chunk += kLanes) {
-          const int n = int(std::min<int64_t>(kLanes, in_block - chunk));
-          const T* keys = k_cache + offset + chunk * HeadDim;
-          const T* values = v_cache + offset + chunk * HeadDim;
-          const auto in_context = kLaneIndex < Ints{} + n;
-          Floats k[kLanes][C], v[kLanes][C];  // the chunk's rows widened once (K and V misses overlap)
-          for (int t = 0; t < kLanes; ++t)
-            for (int c = 0; c < C; ++c) {
-              k[t][c] = t < n ? load(keys + t * HeadDim + c * kLanes) : Floats{};
-              v[t][c] = t < n ? load(values + t * HeadDim + c * kLanes) : Floats{};
-            }
-          for (int64_t g = 0; g < group; ++g) {
-            Floats dots[kLanes];
-            for (int t = 0; t < kLanes; ++t) {
-              dots[t] = q[g * C] * k[t][0];
-              for (int c = 1; c < C; ++c) dots[t] += q[g * C + c] * k[t][c];
-            }
-            const Floats scores = in_context ? transpose_sum(dots) : broadcast(-std::numeric_limits<float>::max());
-            Softmax<C>& run = state[g];
-            const float top = std::max(run.top, max(scores));
-            const float rescale = std::exp(run.top - top);
-            weights[g] = in_context ? exp(scores - top) : Floats{};
-            run.top = top;
-            run.total = run.total * rescale + sum(weights[g]);
-            for (int c = 0; c < C; ++c) run.acc[c] *= rescale;
+  std::vector<Floats> q(group * C);
+  std::vector<Softmax<C>> state(group);
+  std::vector<Floats> weights(group);  // one chunk's e^(score - maximum), per query head
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t s = item / problem.kv_heads, h = item % problem.kv_heads, length = problem.lengths[s];
+    const int64_t* table = problem.tables + s * problem.width;
+    const int64_t head_offset = h * problem.num_blocks;  // head h's copy of block b: (h · num_blocks + b)
+    const float* q_row = problem.query + (s * problem.heads + h * group) * HeadDim;
+    for (int64_t i = 0; i < group * C; ++i) q[i] = load(q_row + i * kLanes) * problem.scale;
+    std::fill(state.begin(), state.end(), Softmax<C>{});
+    const int64_t blocks = (length + block_size - 1) / block_size;
+    auto prefetch_block = [&](int64_t b) {
+      if (b >= blocks) return;
+      const int64_t at = (head_offset + table[b]) * block_elements;
+      prefetch(k_cache + at, block_elements);
+      prefetch(v_cache + at, block_elements);
+    };
+    for (int64_t b = 0; b < kPrefetchBlocks - 1; ++b) prefetch_block(b);
+    for (int64_t start = 0; start < length; start += block_size) {
+      const int64_t offset = (head_offset + table[start / block_size]) * block_elements;
+      prefetch_block(start / block_size + kPrefetchBlocks - 1);
+      const int64_t in_block = std::min(block_size, length - start);
+      for (int64_t chunk = 0; chunk < in_block; chunk += kLanes) {
+        const int n = int(std::min<int64_t>(kLanes, in_block - chunk));
+        const T* keys = k_cache + offset + chunk * HeadDim;
+        const T* values = v_cache + offset + chunk * HeadDim;
+        const auto in_context = kLaneIndex < Ints{} + n;
+        Floats k[kLanes][C], v[kLanes][C];  // the chunk's rows widened once (K and V misses overlap)
+        for (int t = 0; t < kLanes; ++t)
+          for (int c = 0; c < C; ++c) {
+            k[t][c] = t < n ? load(keys + t * HeadDim + c * kLanes) : Floats{};
+            v[t][c] = t < n ? load(values + t * HeadDim + c * kLanes) : Floats{};
           }
-          // V rows once for all heads of the group: group · C independent sums, not C long chains
-          for (int t = 0; t < n; ++t)
-            for (int64_t g = 0; g < group; ++g)
-              for (int c = 0; c < C; ++c) state[g].acc[c] += weights[g][t] * v[t][c];
+        for (int64_t g = 0; g < group; ++g) {
+          Floats dots[kLanes];
+          for (int t = 0; t < kLanes; ++t) {
+            dots[t] = q[g * C] * k[t][0];
+            for (int c = 1; c < C; ++c) dots[t] += q[g * C + c] * k[t][c];
+          }
+          const Floats scores = in_context ? transpose_sum(dots) : broadcast(-std::numeric_limits<float>::max());
+          Softmax<C>& run = state[g];
+          const float top = std::max(run.top, max(scores));
+          const float rescale = std::exp(run.top - top);
+          weights[g] = in_context ? exp(scores - top) : Floats{};
+          run.top = top;
+          run.total = run.total * rescale + sum(weights[g]);
+          for (int c = 0; c < C; ++c) run.acc[c] *= rescale;
         }
+        // V rows once for all heads of the group: group · C independent sums, not C long chains
+        for (int t = 0; t < n; ++t)
+          for (int64_t g = 0; g < group; ++g)
+            for (int c = 0; c < C; ++c) state[g].acc[c] += weights[g][t] * v[t][c];
       }
-      float* o = out + (s * shape.heads + h * group) * HeadDim;
-      for (int64_t g = 0; g < group; ++g)
-        for (int c = 0; c < C; ++c) {
-          const Floats result = state[g].acc[c] / state[g].total;
-          std::memcpy(o + g * HeadDim + c * kLanes, &result, sizeof result);
-        }
     }
-  });
+    float* o = problem.out + (s * problem.heads + h * group) * HeadDim;
+    for (int64_t g = 0; g < group; ++g)
+      for (int c = 0; c < C; ++c) {
+        const Floats result = state[g].acc[c] / state[g].total;
+        std::memcpy(o + g * HeadDim + c * kLanes, &result, sizeof result);
+      }
+  }
 }
 
 template <typename T>
-void dispatch(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-              const at::Tensor& lengths, at::Tensor& out, const Shape& shape) {
-  const int64_t head_dim = query.size(2);
-  auto kernel = head_dim == 32 ? decode<T, 32> : head_dim == 64 ? decode<T, 64> : decode<T, 128>;
-  kernel(query.data_ptr<float>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), tables.data_ptr<int64_t>(),
-         lengths.data_ptr<int64_t>(), out.data_ptr<float>(), shape);
+at::Tensor attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& tables, const at::Tensor& lengths, double scale) {
+  auto out = at::empty_like(query);
+  const PagedDecode<T> problem{query.data_ptr<float>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                               tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), out.data_ptr<float>(),
+                               query.size(0), query.size(1), k_cache.size(0), k_cache.size(1), k_cache.size(2),
+                               tables.size(1), query.size(2), static_cast<float>(scale)};
+  at::parallel_for(0, problem.items(), 1, [&](int64_t begin, int64_t end) { paged_decode_items(problem, begin, end); });
+  return out;
 }
 
 }  // namespace
 
 namespace mlsyslab {
 
-at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& tables, const at::Tensor& lengths, double scale) {
-  TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kFloat && query.is_contiguous() && query.dim() == 3,
-              "query: a contiguous fp32 CPU tensor [sequences, heads, head_dim]");
-  const int64_t head_dim = query.size(2);
+template <typename T>
+void paged_decode_items(const PagedDecode<T>& problem, int64_t begin, int64_t end) {
+  auto kernel = problem.head_dim == 32 ? decode<T, 32> : problem.head_dim == 64 ? decode<T, 64> : decode<T, 128>;
+  kernel(problem, begin, end);
+}
+template void paged_decode_items(const PagedDecode<float>&, int64_t, int64_t);
+template void paged_decode_items(const PagedDecode<c10::BFloat16>&, int64_t, int64_t);
+
+void check_paged_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t heads, const at::Tensor& tables,
+                       const at::Tensor& lengths, int64_t sequences) {
+  const int64_t head_dim = k_cache.size(-1);
   TORCH_CHECK(head_dim == 32 || head_dim == 64 || head_dim == 128, "head_dim: 32, 64 or 128, got ", head_dim);
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == head_dim &&
-              k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type() &&
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+              v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type() &&
               (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16),
               "k_cache, v_cache: contiguous fp32 or bf16 [kv_heads, num_blocks, block_size, head_dim]");
-  TORCH_CHECK(query.size(1) % k_cache.size(0) == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(heads % k_cache.size(0) == 0, "heads (", heads, ") must be a multiple of kv_heads (", k_cache.size(0), ")");
   TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong && tables.is_contiguous() &&
-              tables.size(0) == query.size(0), "tables: contiguous int64 [sequences, blocks]");
+              tables.size(0) == sequences, "tables: contiguous int64 [sequences, blocks]");
   TORCH_CHECK(lengths.dim() == 1 && lengths.scalar_type() == at::kLong && lengths.is_contiguous() &&
-              lengths.size(0) == query.size(0),
+              lengths.size(0) == sequences,
               "lengths: int64 [sequences]");
   const int64_t block_size = k_cache.size(2), num_blocks = k_cache.size(1);
   const int64_t* length = lengths.data_ptr<int64_t>();
   const int64_t* table = tables.data_ptr<int64_t>();
-  for (int64_t s = 0; s < query.size(0); ++s) {  // a few hundred integers: checked here, not trusted
+  for (int64_t s = 0; s < sequences; ++s) {  // a few hundred integers: checked here, not trusted
     TORCH_CHECK(length[s] >= 1 && length[s] <= tables.size(1) * block_size, "lengths[", s, "] = ", length[s],
                 ": must be between 1 and the table's ", tables.size(1) * block_size, " tokens");
     for (int64_t b = 0; b < (length[s] + block_size - 1) / block_size; ++b)
       TORCH_CHECK(table[s * tables.size(1) + b] >= 0 && table[s * tables.size(1) + b] < num_blocks,
                   "tables[", s, "][", b, "] = ", table[s * tables.size(1) + b], ": not a block of the pool");
   }
-  auto out = at::empty_like(query);
-  const Shape shape{query.size(0), query.size(1), k_cache.size(0), num_blocks, block_size, tables.size(1),
-                    static_cast<float>(scale)};
-  if (k_cache.scalar_type() == at::kFloat) dispatch<float>(query, k_cache, v_cache, tables, lengths, out, shape);
-  else dispatch<c10::BFloat16>(query, k_cache, v_cache, tables, lengths, out, shape);
-  return out;
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& tables, const at::Tensor& lengths, double scale) {
+  TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kFloat && query.is_contiguous() && query.dim() == 3,
+              "query: a contiguous fp32 CPU tensor [sequences, heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(3) == query.size(2), "k_cache: [kv_heads, num_blocks, block_size, ",
+              "head_dim] with the query's head_dim (", query.size(2), ")");
+  check_paged_cache(k_cache, v_cache, query.size(1), tables, lengths, query.size(0));
+  if (k_cache.scalar_type() == at::kFloat) return attend<float>(query, k_cache, v_cache, tables, lengths, scale);
+  return attend<c10::BFloat16>(query, k_cache, v_cache, tables, lengths, scale);
 }
 
 }  // namespace mlsyslab

@@ -46,7 +46,6 @@ constexpr int kWidth = 8;
 #endif
 typedef Lanes<kWidth>::Floats Vec;
 typedef Lanes<kWidth>::Words Words;
-typedef Lanes<8>::Floats Eight;
 constexpr int64_t kChunk = 2 * kWidth;  // inputs of one tile row: two vectors
 constexpr int64_t kGroup = 8;           // output rows of one tile
 
@@ -87,8 +86,7 @@ const float* x_in_tile_order(const X* x, int64_t rows, int64_t in, int64_t row_s
   return buffer.data();
 }
 
-// Lane g of the result: the sum of the lanes of acc[g], by rounds of pairwise shuffle-and-add (21
-// operations for 8 sums, against 8 horizontal sums of 7 dependent adds each).
+// Lane g of the result: the sum of the lanes of acc[g] (an AVX-512 vector's halves added first).
 inline Eight transpose_sum(const Vec (&acc)[kGroup]) {
   Eight a[8];
   for (int g = 0; g < 8; ++g) {
@@ -99,30 +97,11 @@ inline Eight transpose_sum(const Vec (&acc)[kGroup]) {
     a[g] = acc[g];
 #endif
   }
-  Eight u[4], v[2];
-  for (int i = 0; i < 4; ++i)
-    u[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
-  for (int i = 0; i < 2; ++i)
-    v[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-           __builtin_shufflevector(u[2 * i], u[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-  return __builtin_shufflevector(v[0], v[1], 0, 1, 2, 3, 8, 9, 10, 11) +
-         __builtin_shufflevector(v[0], v[1], 4, 5, 6, 7, 12, 13, 14, 15);
+  return transpose_sum8(a);
 }
 
 template <typename T>
-struct Problem {
-  const float* x;     // [rows, padded], from x_in_tile_order
-  const T* tiles;     // [groups, chunks, kGroup, kChunk], from stream_pack
-  const T* residual;  // [rows, out] or null
-  T* y;               // [rows, out]
-  int64_t rows, chunks, out;
-};
-
-// The 8 outputs of group `group` for every row of x: the group's tiles (8 × padded inputs) are read from
-// memory for the first row and from L1/L2 for the others.
-template <typename T>
-void group_outputs(const Problem<T>& p, int64_t group) {
+void group_outputs(const StreamedProduct<T>& p, int64_t group) {
   const T* tiles = p.tiles + group * p.chunks * kGroup * kChunk;
   const int64_t padded = p.chunks * kChunk;
   for (int64_t r = 0; r < p.rows; ++r) {
@@ -156,18 +135,31 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& tiles, int64_t out, const 
       ? x_in_tile_order<T>(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0), padded)
       : x_in_tile_order<T>(x.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), x.stride(0), padded);
   at::Tensor y = at::empty({x.size(0), out}, tiles.options());
-  const Problem<T> p{xs, tiles.data_ptr<T>(), residual ? residual->data_ptr<T>() : nullptr, y.data_ptr<T>(),
+  const StreamedProduct<T> p{xs, tiles.data_ptr<T>(), residual ? residual->data_ptr<T>() : nullptr, y.data_ptr<T>(),
                      x.size(0), chunks, out};
   const int64_t grain = std::max<int64_t>(1, kBytesPerThread / (chunks * kGroup * kChunk * int64_t(sizeof(T))));
-  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t group = begin; group < end; ++group) group_outputs(p, group);
-  });
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) { streamed_groups(p, begin, end); });
   return y;
 }
 
 }  // namespace
 
 namespace mlsyslab {
+
+template <typename T>
+const float* streamed_input(const T* x, int64_t rows, int64_t in, int64_t row_stride, int64_t chunks) {
+  return x_in_tile_order<T>(x, rows, in, row_stride, chunks * kChunk);
+}
+
+template <typename T>
+void streamed_groups(const StreamedProduct<T>& product, int64_t begin, int64_t end) {
+  for (int64_t group = begin; group < end; ++group) group_outputs(product, group);
+}
+
+template const float* streamed_input(const float*, int64_t, int64_t, int64_t, int64_t);
+template const float* streamed_input(const c10::BFloat16*, int64_t, int64_t, int64_t, int64_t);
+template void streamed_groups(const StreamedProduct<float>&, int64_t, int64_t);
+template void streamed_groups(const StreamedProduct<c10::BFloat16>&, int64_t, int64_t);
 
 at::Tensor stream_pack(const at::Tensor& weight) {
   check_float_or_bf16(weight, "weight");
@@ -178,18 +170,22 @@ at::Tensor stream_pack(const at::Tensor& weight) {
   return padded.view({groups, kGroup, chunks, kChunk}).transpose(1, 2).contiguous();
 }
 
+void check_tiles(const at::Tensor& tiles, int64_t out, int64_t in, const char* name) {
+  check_float_or_bf16(tiles, name);
+  TORCH_CHECK(tiles.dim() == 4 && tiles.size(2) == kGroup && tiles.size(3) == kChunk && tiles.is_contiguous(),
+              name, ": a contiguous [groups, chunks, ", kGroup, ", ", kChunk, "] tensor from stream_pack, got ",
+              tiles.sizes());
+  TORCH_CHECK(out > (tiles.size(0) - 1) * kGroup && out <= tiles.size(0) * kGroup, name, ": out_features ", out,
+              " does not fit tiles of ", tiles.size(0), " groups of ", kGroup, " rows");
+  TORCH_CHECK(in > (tiles.size(1) - 1) * kChunk && in <= tiles.size(1) * kChunk, name, ": ", in, " inputs do not ",
+              "fit tiles of ", tiles.size(1), " chunks of ", kChunk);
+}
+
 at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t out,
                            const std::optional<at::Tensor>& residual) {
-  check_float_or_bf16(tiles, "tiles");
-  TORCH_CHECK(tiles.dim() == 4 && tiles.size(2) == kGroup && tiles.size(3) == kChunk && tiles.is_contiguous(),
-              "tiles: a contiguous [groups, chunks, ", kGroup, ", ", kChunk, "] tensor from stream_pack, got ",
-              tiles.sizes());
-  TORCH_CHECK(out > (tiles.size(0) - 1) * kGroup && out <= tiles.size(0) * kGroup, "out_features: ", out,
-              " does not fit tiles of ", tiles.size(0), " groups of ", kGroup, " rows");
   check_float_or_bf16(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) > (tiles.size(1) - 1) * kChunk && x.size(1) <= tiles.size(1) * kChunk,
-              "x: [rows, in] with in the packed weight's (", tiles.size(1), " chunks of ", kChunk, "), got ",
-              x.sizes());
+  TORCH_CHECK(x.dim() == 2, "x: [rows, in], got ", x.sizes());
+  check_tiles(tiles, out, x.size(1), "tiles");
   if (residual) {
     TORCH_CHECK(residual->scalar_type() == tiles.scalar_type() && residual->is_contiguous() && residual->dim() == 2 &&
                 residual->size(0) == x.size(0) && residual->size(1) == out,

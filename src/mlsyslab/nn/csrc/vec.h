@@ -1,5 +1,4 @@
-// bf16 <-> fp32 conversions, 16-float vectors (GCC vector extensions: one AVX-512 register, split by the
-// compiler on narrower CPUs) and the few operations the kernels build on them: loads that widen bf16,
+// bf16 <-> fp32 conversions, vectors of floats as wide as the CPU's registers (GCC vector extensions) and the few operations the kernels build on them: loads that widen bf16,
 // horizontal reductions, and an exp.
 #pragma once
 
@@ -44,30 +43,62 @@ inline typename Lanes<N>::Floats widen_lanes(const c10::BFloat16* p) {
   typename Lanes<N>::Floats v; std::memcpy(&v, &word, sizeof v); return v;
 }
 
+// The widest vector the compiler targets (-march=native): 16 floats in one AVX-512 register, or 8 in
+// an AVX2 one. (16-float vectors on AVX2 are split in two registers by the compiler, and their shuffles
+// went through memory: the decode attention ran at ~20 µs per (sequence, KV head) of 228 tokens on Zen 3.)
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
 typedef Lanes<kLanes>::Floats Floats;
 typedef int32_t Ints __attribute__((vector_size(kLanes * 4)));
+typedef Lanes<8>::Floats Eight;
 
+#if defined(__AVX512F__)
 constexpr Ints kLaneIndex = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+constexpr Ints kLaneIndex = {0, 1, 2, 3, 4, 5, 6, 7};
+#endif
 
 inline Floats broadcast(float x) { return Floats{} + x; }
 
 inline Floats load(const float* p) { Floats v; std::memcpy(&v, p, sizeof v); return v; }
 inline Floats load(const c10::BFloat16* p) { return widen_lanes<kLanes>(p); }
 
-// Horizontal sum and maximum by halving shuffles (a loop over the lanes compiles to 15 dependent steps).
+// Horizontal sum and maximum by halving shuffles (a loop over the lanes compiles to dependent steps).
 template <typename Op>
 inline float reduce(Floats v, Op op) {
+#if defined(__AVX512F__)
   v = op(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
   v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
   v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
   v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+#else
+  v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+  v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+  v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
+#endif
   return v[0];
 }
 inline float sum(Floats v) { return reduce(v, [](Floats a, Floats b) { return a + b; }); }
 inline float max(Floats v) { return reduce(v, [](Floats a, Floats b) { return a > b ? a : b; }); }
 
-// e^x for 16 lanes, in arithmetic and bit operations only: x = n·ln2 + r with |r| <= ln2/2, e^r by its
+// Lane g of the result: the sum of the lanes of v[g], by rounds of pairwise shuffle-and-add (21
+// operations for 8 sums, against 8 horizontal sums of 7 dependent adds each).
+inline Eight transpose_sum8(const Eight (&a)[8]) {
+  Eight u[4], v[2];
+  for (int i = 0; i < 4; ++i)
+    u[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  for (int i = 0; i < 2; ++i)
+    v[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(u[2 * i], u[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(v[0], v[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(v[0], v[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// e^x for each lane, in arithmetic and bit operations only: x = n·ln2 + r with |r| <= ln2/2, e^r by its
 // degree-6 Taylor polynomial (relative error < 2e-7 on that range; expf's is ~1e-7), 2^n put into the
 // exponent bits. x is clamped to [-80, 80]: e^±80 (5.5e34 and 1.8e-35) stand for overflow and
 // underflow, which for softmax weights beside the maximum's 1 change nothing in fp32.

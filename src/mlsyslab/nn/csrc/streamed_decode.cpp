@@ -1,0 +1,244 @@
+// A decode step — every decoder layer, the final norm and the logits — inside one parallel region,
+// for weights in the streamed kernel's tiles (streamed_linear.cpp).
+//
+// decode_layers.cpp runs a step as ~20 ATen ops a layer, each matmul its own `at::parallel_for`: at
+// batch 1 on SmolLM2 (121 matrices, 2 cores) that is 121 fork/joins, ~600 tensor allocations and
+// dispatches, and ~1.4 ms a step between the matmuls (15% of the bf16 step; docs/serving.md). Here the
+// threads start once and meet at a barrier between the step's phases, each taking the same share of
+// every phase (megakernel-style persistent threads, as llama.cpp's graph compute: a thread pool that
+// walks the layers together, one barrier per node):
+//   x = rms_norm(h)               every thread, all rows, into its own buffer (a few µs: no barrier)
+//   qkv = x·Wqkvᵀ                 output groups shared out                              | barrier
+//   rope(q, k), k, v -> cache,    (sequence, KV head) items shared out: each item ropes and writes
+//   attention                     its own K/V head before it reads the cache            | barrier
+//   h = h + attended·Woᵀ          output groups (residual added in the kernel)          | barrier
+//   x = rms_norm(h); gates = x·Wguᵀ                                                     | barrier
+//   act = silu(gate)·up           rows shared out                                       | barrier
+//   h = h + act·Wdᵀ               output groups                                         | barrier
+// and after the last layer logits = rms_norm(h[rows])·Wheadᵀ. Every number is computed by the same
+// compiled functions, on the same row layouts, as the per-op path (the range functions of kernels.h),
+// so the logits and the cache are bit-equal to decode_layers' and to the Python layers'
+// (tests/nn/test_fused_decode.py). A thread keeps the same share of each matrix every step.
+// Used by `nn.fused_decode` when every matrix of the step takes the streamed kernel (steps under
+// `nn.packed_linear.STREAMED_BELOW` rows on CPUs where oneDNN cannot pack bf16).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+#include "vec.h"
+
+namespace {
+
+using namespace mlsyslab;
+
+// Thread t's share [begin, end) of n items among `threads`: contiguous, sizes differing by at most one.
+struct Share {
+  int64_t begin, end;
+  Share(int64_t n, int t, int threads) : begin(n * t / threads), end(n * (t + 1) / threads) {}
+};
+
+template <typename T>
+struct Step {
+  int64_t layers, tokens, hidden, heads, kv_heads, head_dim, ffn, vocab, slots_per_head;
+  float eps;
+  const T* cos;  // [tokens, head_dim]
+  const T* sin;
+  std::vector<const T*> norms, tiles;  // 2 and 4 per layer
+  std::vector<int64_t> chunks;         // of each matrix's tiles
+  const T* final_norm;
+  const T* head_tiles;
+  int64_t head_chunks;
+  T* k_cache;  // [layers, kv_heads, slots_per_head, head_dim]
+  T* v_cache;
+  const int64_t* slots;  // [tokens]
+  const int64_t* rows;   // the rows of h whose logits are wanted
+  int64_t logit_rows;
+  PagedDecode<T> attention;  // pointers of layer 0's cache; moved per layer
+  // step buffers: h, q|k|v, attention out (fp32, then rounded), gate|up, silu(gate)·up, logits
+  T* h;
+  T* qkv;
+  T* attended;
+  T* gates;
+  T* act;
+  T* logits;
+  float* query;
+  float* attended_fp32;
+};
+
+// y [rows, out] (+)= x [rows, in] · Wᵀ for thread t's share of the output groups.
+template <typename T>
+void product(const T* x, int64_t rows, int64_t in, const T* tiles, int64_t chunks, int64_t out, const T* residual, T* y,
+             int t, int threads) {
+  const float* xs = streamed_input<T>(x, rows, in, in, chunks);
+  const Share share((out + 7) / 8, t, threads);
+  streamed_groups(StreamedProduct<T>{xs, tiles, residual, y, rows, chunks, out}, share.begin, share.end);
+}
+
+// Rope the item's K head and query heads in place, write its K and V heads into their cache slot, and
+// widen its query heads for the attention kernel.
+template <typename T>
+void rope_and_cache(const Step<T>& s, int64_t layer, int64_t item, float* rotated) {
+  const int64_t token = item / s.kv_heads, kv_head = item % s.kv_heads, group = s.heads / s.kv_heads;
+  const int64_t d = s.head_dim;
+  T* row = s.qkv + token * (s.heads + 2 * s.kv_heads) * d;
+  T* k = row + (s.heads + kv_head) * d;
+  const T* v = row + (s.heads + s.kv_heads + kv_head) * d;
+  const T* cos = s.cos + token * d;
+  const T* sin = s.sin + token * d;
+  rope_head(k, cos, sin, d, rotated);
+  const int64_t slot = ((layer * s.kv_heads + kv_head) * s.slots_per_head + s.slots[token]) * d;
+  std::memcpy(s.k_cache + slot, k, d * sizeof(T));
+  std::memcpy(s.v_cache + slot, v, d * sizeof(T));
+  for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+    T* q = row + head * d;
+    rope_head(q, cos, sin, d, rotated);
+    float* query = s.query + (token * s.heads + head) * d;
+    for (int64_t i = 0; i < d; ++i) query[i] = widen(q[i]);
+  }
+}
+
+template <typename T>
+void layer(const Step<T>& s, int64_t l, T* normed, float* rotated, int t, int threads) {
+  const int64_t d = s.head_dim, attention_width = s.heads * d;
+  for (int64_t r = 0; r < s.tokens; ++r) rms_norm_row(s.h + r * s.hidden, s.norms[2 * l], normed + r * s.hidden, s.hidden, s.eps);
+  product(normed, s.tokens, s.hidden, s.tiles[4 * l], s.chunks[4 * l], attention_width + 2 * s.kv_heads * d,
+          static_cast<const T*>(nullptr), s.qkv, t, threads);
+#pragma omp barrier
+  PagedDecode<T> attention = s.attention;
+  const int64_t layer_elements = s.kv_heads * s.slots_per_head * d;
+  attention.k_cache += l * layer_elements;
+  attention.v_cache += l * layer_elements;
+  const Share items(attention.items(), t, threads);
+  for (int64_t item = items.begin; item < items.end; ++item) rope_and_cache(s, l, item, rotated);
+  paged_decode_items(attention, items.begin, items.end);
+  const int64_t group = s.heads / s.kv_heads;
+  for (int64_t item = items.begin; item < items.end; ++item) {  // rounded as `attended.to(dtype)`
+    const int64_t first = ((item / s.kv_heads) * s.heads + (item % s.kv_heads) * group) * d;
+    for (int64_t i = first; i < first + group * d; ++i) s.attended[i] = narrow<T>(s.attended_fp32[i]);
+  }
+#pragma omp barrier
+  product(s.attended, s.tokens, attention_width, s.tiles[4 * l + 1], s.chunks[4 * l + 1], s.hidden, s.h, s.h, t, threads);
+#pragma omp barrier
+  for (int64_t r = 0; r < s.tokens; ++r)
+    rms_norm_row(s.h + r * s.hidden, s.norms[2 * l + 1], normed + r * s.hidden, s.hidden, s.eps);
+  product(normed, s.tokens, s.hidden, s.tiles[4 * l + 2], s.chunks[4 * l + 2], 2 * s.ffn, static_cast<const T*>(nullptr),
+          s.gates, t, threads);
+#pragma omp barrier
+  const Share rows(s.tokens, t, threads);
+  for (int64_t r = rows.begin; r < rows.end; ++r)
+    silu_and_mul_span(s.gates + r * 2 * s.ffn, s.gates + r * 2 * s.ffn + s.ffn, s.act + r * s.ffn, s.ffn);
+#pragma omp barrier
+  product(s.act, s.tokens, s.ffn, s.tiles[4 * l + 3], s.chunks[4 * l + 3], s.hidden, s.h, s.h, t, threads);
+#pragma omp barrier
+}
+
+template <typename T>
+void run(const Step<T>& s, int64_t max_threads) {
+#pragma omp parallel num_threads(max_threads)
+  {
+    const int threads = omp_get_num_threads(), t = omp_get_thread_num();
+    std::vector<T> normed(std::max(s.tokens, s.logit_rows) * s.hidden);
+    std::vector<float> rotated(s.head_dim);
+    for (int64_t l = 0; l < s.layers; ++l) layer(s, l, normed.data(), rotated.data(), t, threads);
+    for (int64_t i = 0; i < s.logit_rows; ++i)
+      rms_norm_row(s.h + s.rows[i] * s.hidden, s.final_norm, normed.data() + i * s.hidden, s.hidden, s.eps);
+    product(normed.data(), s.logit_rows, s.hidden, s.head_tiles, s.head_chunks, s.vocab, static_cast<const T*>(nullptr),
+            s.logits, t, threads);
+  }
+}
+
+template <typename T>
+const T* data(const at::Tensor& t) { return t.data_ptr<T>(); }
+
+}  // namespace
+
+namespace mlsyslab {
+
+// hidden [tokens, hidden] after the embedding -> logits [rows, vocab] of the rows `logit_rows` names.
+// norms: 2 per layer; tiles: 4 per layer (qkv, o, gate|up, down), from stream_pack; caches
+// [layers, kv_heads, num_blocks, block_size, head_dim]; one new token per sequence.
+at::Tensor streamed_decode(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
+                           at::TensorList norms, at::TensorList tiles, const at::Tensor& final_norm,
+                           const at::Tensor& head_tiles, int64_t vocab, at::Tensor k_cache, at::Tensor v_cache,
+                           const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lengths,
+                           const at::Tensor& logit_rows, int64_t heads, int64_t ffn, double eps) {
+  check_float_or_bf16(hidden_in, "hidden");
+  const auto dtype = hidden_in.scalar_type();
+  TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.is_contiguous(), "hidden: contiguous [tokens, hidden]");
+  const int64_t tokens = hidden_in.size(0), hidden = hidden_in.size(1);
+  TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+              v_cache.is_contiguous() && k_cache.scalar_type() == dtype,
+              "k_cache, v_cache: [layers, kv_heads, num_blocks, block_size, head_dim] in hidden's dtype");
+  const int64_t layers = k_cache.size(0), kv_heads = k_cache.size(1), head_dim = k_cache.size(4);
+  check_paged_cache(k_cache[0], v_cache[0], heads, tables, lengths, tokens);
+  check_slots(slots, tokens, k_cache.size(2) * k_cache.size(3));
+  TORCH_CHECK(int64_t(norms.size()) == 2 * layers && int64_t(tiles.size()) == 4 * layers,
+              "norms: 2 per layer, tiles: 4 per layer, for ", layers, " layers");
+  for (const at::Tensor& norm : norms) {
+    TORCH_CHECK(norm.dim() == 1 && norm.size(0) == hidden && norm.is_contiguous() && norm.scalar_type() == dtype,
+                "norms: contiguous [hidden] in hidden's dtype");
+  }
+  TORCH_CHECK(final_norm.dim() == 1 && final_norm.size(0) == hidden && final_norm.is_contiguous() &&
+              final_norm.scalar_type() == dtype, "final_norm: contiguous [hidden] in hidden's dtype");
+  for (const at::Tensor& table : {cos, sin}) {
+    TORCH_CHECK(table.dim() == 2 && table.size(0) == tokens && table.size(1) == head_dim && table.is_contiguous() &&
+                table.scalar_type() == dtype, "cos, sin: contiguous [tokens, head_dim] in hidden's dtype");
+  }
+  const int64_t shapes[4][2] = {{(heads + 2 * kv_heads) * head_dim, hidden}, {hidden, heads * head_dim},
+                                {2 * ffn, hidden}, {hidden, ffn}};
+  for (int64_t i = 0; i < 4 * layers; ++i) {
+    check_tiles(tiles[i], shapes[i % 4][0], shapes[i % 4][1], "tiles");
+    TORCH_CHECK(tiles[i].scalar_type() == dtype, "tiles: in hidden's dtype");
+  }
+  check_tiles(head_tiles, vocab, hidden, "head_tiles");
+  TORCH_CHECK(head_tiles.scalar_type() == dtype, "head_tiles: in hidden's dtype");
+  TORCH_CHECK(logit_rows.dim() == 1 && logit_rows.scalar_type() == at::kLong && logit_rows.is_contiguous(),
+              "logit_rows: contiguous int64 [rows]");
+  for (int64_t i = 0; i < logit_rows.size(0); ++i) {
+    const int64_t row = logit_rows.data_ptr<int64_t>()[i];
+    TORCH_CHECK(row >= 0 && row < tokens, "logit_rows[", i, "] = ", row, ": not a row of hidden (0..", tokens - 1, ")");
+  }
+
+  const auto options = hidden_in.options();
+  at::Tensor h = hidden_in.clone(), qkv = at::empty({tokens, shapes[0][0]}, options);
+  at::Tensor attended = at::empty({tokens, heads * head_dim}, options), gates = at::empty({tokens, 2 * ffn}, options);
+  at::Tensor act = at::empty({tokens, ffn}, options), logits = at::empty({logit_rows.size(0), vocab}, options);
+  at::Tensor query = at::empty({tokens, heads, head_dim}, options.dtype(at::kFloat)), attended_fp32 = at::empty_like(query);
+  const auto fill = [&](auto tag) {
+    using T = decltype(tag);
+    Step<T> s{layers, tokens, hidden, heads, kv_heads, head_dim, ffn, vocab, k_cache.size(2) * k_cache.size(3),
+              float(eps), data<T>(cos), data<T>(sin), {}, {}, {}, data<T>(final_norm), data<T>(head_tiles),
+              head_tiles.size(1), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), slots.data_ptr<int64_t>(),
+              logit_rows.data_ptr<int64_t>(), logit_rows.size(0),
+              PagedDecode<T>{query.data_ptr<float>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                             tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), attended_fp32.data_ptr<float>(),
+                             tokens, heads, kv_heads, k_cache.size(2), k_cache.size(3), tables.size(1), head_dim,
+                             float(1.0 / std::sqrt(double(head_dim)))},
+              h.data_ptr<T>(), qkv.data_ptr<T>(), attended.data_ptr<T>(), gates.data_ptr<T>(), act.data_ptr<T>(),
+              logits.data_ptr<T>(), query.data_ptr<float>(), attended_fp32.data_ptr<float>()};
+    for (const at::Tensor& norm : norms) s.norms.push_back(data<T>(norm));
+    for (const at::Tensor& tile : tiles) {
+      s.tiles.push_back(data<T>(tile));
+      s.chunks.push_back(tile.size(1));
+    }
+    run(s, at::get_num_threads());
+  };
+  if (dtype == at::kFloat) fill(float{});
+  else fill(c10::BFloat16{});
+  return logits;
+}
+
+}  // namespace mlsyslab
+
+TORCH_LIBRARY_FRAGMENT(mlsyslab, m) {
+  m.def("streamed_decode(Tensor hidden, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] tiles, Tensor final_norm, "
+        "Tensor head_tiles, int vocab, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor tables, "
+        "Tensor lengths, Tensor logit_rows, int heads, int ffn, float eps) -> Tensor", &mlsyslab::streamed_decode);
+}
