@@ -43,11 +43,12 @@ def build_server(model, tokenizer, model_name: str, config, threads: int | None 
     """An engine process for `model` with `config` (`EngineConfig`) and `threads` torch threads (None:
     torch's default), started, and the app serving it. `model` and `tokenizer` are a loaded `Llama` and
     `Tokenizer`, or their loaders (`nn.pretrained.loaders`): then the engine process loads its own while
-    this one loads the tokenizer, on the two cores at once (`mlsys serve` started in 10-11 s one after
-    the other on a 2-core AVX2 host, 2026-11-24)."""
+    this one loads the tokenizer and the chat template renderer, on the two cores at once (`mlsys serve`
+    started in 10-11 s one after the other on a 2-core AVX2 host, 2026-11-24)."""
     metrics = EngineMetrics()
     engine = EngineProcess(model, tokenizer, config, threads, on_finish=metrics.observe)
     tokenizer = tokenizer() if callable(tokenizer) else tokenizer
+    tokenizer.prepare_chat()
     engine.wait_started()
     metrics.watch(lambda: engine.stats)
     return create_app(engine, tokenizer, model_name, metrics), engine
