@@ -68,3 +68,5 @@ def test_expert_parallel_equals_one_process(world):
         arriving = sum(int((other == me).sum()) for peer, other in enumerate(owners) if peer != me)
         assert log["all_to_all"]["calls"] == 4
         assert log["all_to_all"]["bytes_sent"] == 2 * (leaving + arriving) * HIDDEN * 8
+        # the forward's routing metadata: my copy count for each other rank, the expert id of each copy that leaves
+        assert log["all_to_all_routing"] == {"calls": 2, "bytes_sent": (world - 1) * 8 + leaving * 8}

@@ -1,6 +1,6 @@
 """Parallelisms composed on a mesh: the first 10 losses of DP2 × PP2 × TP2 (8 ranks), of DP2 × CP2
-(4 ranks) and of an MoE model on DP4 with EP2 (4 ranks) equal the single-process run's; impossible
-layouts are rejected with the reason."""
+(4 ranks) and of an MoE model on DP × EP, CP, and DP2 (EP2) × CP2 (8 ranks) equal the single-process
+run's; impossible layouts are rejected with the reason."""
 
 import copy
 import dataclasses
@@ -11,7 +11,8 @@ import torch
 from mlsyslab.comm.launch import spawn
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama, LlamaConfig
-from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, load_balancing_loss
+from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, MixtureOfExperts, load_balancing_loss
+from mlsyslab.parallel.context import zigzag_layout
 from mlsyslab.parallel.mesh import MeshLayout, build_mesh, composed_step, prepare
 
 CONFIG = LlamaConfig(vocab=64, hidden=32, layers=4, heads=4, kv_heads=2, head_dim=8, ffn_hidden=48, tied_embeddings=False,
@@ -47,11 +48,33 @@ def _single_process():
     return losses
 
 
-def _moe_single_process(shards):
+def _route_by_sequence_shards(model, cp):
+    """Make every MoE layer route each of the `cp` zig-zag shards of the sequence on its own, as the CP
+    ranks do (capacity and load-balancing loss per shard, the layer's loss their mean)."""
+    shards = zigzag_layout(SEQ, cp)
+    for module in model.modules():
+        if isinstance(module, MixtureOfExperts):
+            whole = module.forward
+
+            def forward(x, residual=None, whole=whole, module=module):
+                out, losses = torch.empty_like(x), []
+                for positions in shards:
+                    out[:, positions] = whole(x[:, positions])
+                    losses.append(module.last_routing.aux_loss)
+                module.last_routing = dataclasses.replace(module.last_routing, aux_loss=torch.stack(losses).mean())
+                return out if residual is None else residual + out
+
+            module.forward = forward
+
+
+def _moe_single_process(shards, cp=1):
     """One process, the global batch in `shards` parts whose gradients accumulate: what data parallelism
     computes for an MoE model, each part routed on its own (expert capacity and the load-balancing
-    loss are per rank's tokens under DP, as in Megatron-LM and DeepSpeed-MoE)."""
+    loss are per rank's tokens under DP, as in Megatron-LM and DeepSpeed-MoE), and each part's sequence
+    in `cp` shards routed on their own (as under context parallelism)."""
     model = _model(MOE)
+    if cp > 1:
+        _route_by_sequence_shards(model, cp)
     optimizer = _optimizer(model)
     losses = []
     for step in range(STEPS):
@@ -87,10 +110,13 @@ def test_composed_losses_equal_the_single_process_run(layout, world):
         assert losses == pytest.approx(reference, rel=1e-9)
 
 
-@pytest.mark.parametrize("layout", [MeshLayout(dp=4, ep=2), MeshLayout(dp=2, ep=2)])
+@pytest.mark.parametrize("layout", [MeshLayout(dp=4, ep=2), MeshLayout(dp=2, ep=2), MeshLayout(cp=2),
+                                    MeshLayout(dp=2, ep=2, cp=2)])
 def test_expert_parallel_inside_data_parallel_equals_the_single_process_run(layout):
-    reference = _moe_single_process(layout.dp)
-    for losses in spawn(_composed, layout.dp, layout, MOE, timeout_s=300):
+    """An MoE model on DP × EP, on CP alone, and on DP2 (EP2) × CP2 (8 ranks: each EP pair exchanges
+    tokens inside one CP index, the expert gradients summed over CP and then over the EDP ranks)."""
+    reference = _moe_single_process(layout.dp, layout.cp)
+    for losses in spawn(_composed, layout.dp * layout.cp, layout, MOE, timeout_s=300):
         assert losses == pytest.approx(reference, rel=1e-9)
 
 
@@ -104,7 +130,7 @@ def test_impossible_layouts_are_rejected(layout, field):
 
 
 @pytest.mark.parametrize("layout, field", [(MeshLayout(dp=4, ep=3), "ep"), (MeshLayout(dp=8, ep=8), "ep"),
-                                           (MeshLayout(dp=2, tp=2, ep=2), "tp, pp, cp")])
+                                           (MeshLayout(dp=2, tp=2, ep=2), "tp, pp"), (MeshLayout(dp=2, pp=2), "tp, pp")])
 def test_impossible_expert_layouts_are_rejected(layout, field):
     with pytest.raises(InvalidValue, match=field):
-        layout.validate(MOE, layout.dp * layout.tp, SEQ, MICROBATCHES)
+        layout.validate(MOE, layout.dp * layout.tp * layout.pp, SEQ, MICROBATCHES)

@@ -160,6 +160,23 @@ def test_expert_parallel_training_equals_data_parallel_and_sends_the_routed_toke
     assert wire["predicted"] > 0 and 0.5 < wire["measured"] / wire["predicted"] < 1.5, wire
 
 
+def test_moe_with_context_parallel_sends_what_predict_says(tmp_path):
+    """An MoE model on DP2 × CP2: the same losses with the experts split over EP2 (each rank routes the
+    same tokens either way); CP and DP bytes equal predict's, EP bytes (routing metadata included)
+    predict's balanced estimate up to the actual routing."""
+    spec = tmp_path / "moe.yaml"
+    spec.write_text(TINY.replace("name: llama-tiny", "name: llama-tiny-moe")
+                    + "moe:\n  experts: 4\n  experts_per_token: 2\n  expert_ffn_hidden: 32\n")
+    layout = ("--nproc", "4", "--dp", "2", "--cp", "2", "--steps", "3")
+    reference = _train_json(spec, *layout)
+    report = _train_json(spec, *layout, "--ep", "2")
+    assert report["result"]["losses"] == pytest.approx(reference["result"]["losses"], rel=1e-6)
+    wire = report["predicted_vs_measured"]["wire_bytes_per_step"]
+    for dimension in ("context_parallel", "data_parallel"):
+        assert wire[dimension]["measured"] == pytest.approx(wire[dimension]["predicted"])
+    assert 0.5 < wire["expert_parallel"]["measured"] / wire["expert_parallel"]["predicted"] < 1.5, wire
+
+
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 def test_zero_along_data_parallel_inside_the_mesh(tiny, strategy):
     """DP2 × TP2 on 4 ranks with ZeRO along DP: one process's losses, and the DP bytes predict states

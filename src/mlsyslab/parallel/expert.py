@@ -7,8 +7,9 @@ received; combine: a second `all_to_all_single` returns the outputs to the token
 are summed with their routing weights. Autograd flows back through both all-to-alls (each is its
 own backward, with the splits swapped). all_to_all_single with split sizes is ~3.5x faster than
 the list form on gloo. Bytes per rank per MoE layer and pass: 2 · (routed copies sent) · hidden ·
-bytes — (e−1)/e of the local copies leave the rank when routing is balanced; the CommLog counts those
-(the routing metadata, counts and expert ids at 8 bytes a copy, is not logged).
+bytes — (e−1)/e of the local copies leave the rank when routing is balanced — counted in the CommLog
+as "all_to_all"; and in each forward the routing metadata, 8 bytes a count for each other rank and 8
+an expert id for each copy that leaves, counted as "all_to_all_routing".
 Twin: predict.training (expert-parallel term). Held against the same layer on one process in
 tests/parallel/test_expert.py.
 """
@@ -45,11 +46,11 @@ class ExpertParallel(torch.nn.Module):
         owner = routing.expert // self.local
         send_counts = torch.bincount(owner, minlength=ranks)
         receive_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(receive_counts, send_counts, group=self.rank.group)
+        _routing_exchange(receive_counts, send_counts, [1] * ranks, [1] * ranks, self.rank, self.log)
         send, receive = send_counts.tolist(), receive_counts.tolist()
         # Which local expert each received copy is for travels with it (as an integer all-to-all).
         expert_ids = torch.empty(sum(receive), dtype=routing.expert.dtype)
-        dist.all_to_all_single(expert_ids, routing.expert, receive, send, group=self.rank.group)
+        _routing_exchange(expert_ids, routing.expert, receive, send, self.rank, self.log)
         arrived = _AllToAll.apply(tokens[routing.token], receive, send, self.rank, self.log)
         order = torch.argsort(expert_ids, stable=True)
         counts = torch.bincount(expert_ids - self.first, minlength=self.local).tolist()
@@ -74,12 +75,24 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(grad.contiguous(), input_splits, output_splits, ctx.rank, ctx.log), None, None, None, None
 
 
+def _leaving_bytes(x, input_splits, rank: Rank) -> int:
+    """Bytes of x's rows (split by destination) that go to the other ranks."""
+    row = x[0].numel() * x.element_size() if x.shape[0] else 0
+    return sum(n for peer, n in enumerate(input_splits) if peer != rank.rank) * row
+
+
+def _routing_exchange(out, x, output_splits, input_splits, rank: Rank, log: CommLog | None) -> None:
+    """The routing metadata's all-to-all (copy counts, expert ids: int64), counted as "all_to_all_routing"."""
+    if log is not None:
+        log.calls["all_to_all_routing"] += 1
+        log.bytes_sent["all_to_all_routing"] += _leaving_bytes(x, input_splits, rank)
+    dist.all_to_all_single(out, x, output_splits, input_splits, group=rank.group)
+
+
 def _exchange(x, output_splits, input_splits, rank: Rank, log: CommLog | None):
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     if log is not None:
-        row = x[0].numel() * x.element_size() if x.shape[0] else 0
-        leaving = sum(n for peer, n in enumerate(input_splits) if peer != rank.rank)
         log.calls["all_to_all"] += 1
-        log.bytes_sent["all_to_all"] += leaving * row
+        log.bytes_sent["all_to_all"] += _leaving_bytes(x, input_splits, rank)
     dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=rank.group)
     return out

@@ -14,12 +14,15 @@ PP runs the 1F1B schedule between the stages (vocab-parallel loss on the last), 
 sequence with ring attention (its gradients summed over the CP group), EP exchanges each MoE layer's
 routed tokens inside its group, and DP averages the gradients — expert weights over their `edp` group,
 since an expert's gradient already sums the tokens every rank of its EP group sent it.
+Under CP an MoE layer routes each rank's share of the sequence on its own (expert capacity and the
+load-balancing loss over those tokens, as under DP), and an expert's gradient is summed over the CP
+ranks, which hold the same experts.
 Held against the single-process model in tests/parallel/test_mesh.py (DP2 × PP2 × TP2 on 8 ranks,
-DP2 × CP2 on 4, an MoE model on DP4 with EP2 and on DP2 with EP2). `mlsys train --tp/--pp/--cp/--dp`
-runs it (train.trainer.train_on_mesh); given `logs` (a CommLog per dimension), every byte each
-dimension sends is counted there. Not done: MoE models with TP, PP or CP (an MoE model runs DP × EP
-only); ZeRO along DP is stage 1 only (the trainer wraps the rank's parameters in parallel.zero and
-reduces after the step).
+DP2 × CP2 on 4, an MoE model on DP4 with EP2, on DP2 with EP2, on DP1 × CP2 and on DP2 (EP2) × CP2).
+`mlsys train --tp/--pp/--cp/--dp/--ep` runs it (train.trainer.train_on_mesh); given `logs` (a CommLog
+per dimension), every byte each dimension sends is counted there. Not done: MoE models with TP or PP
+(an MoE model runs DP × EP × CP); ZeRO-2/3 with PP or CP (the trainer runs them with TP × DP, ZeRO-1
+with any layout of a dense model).
 """
 
 from dataclasses import dataclass, replace
@@ -73,9 +76,9 @@ class MeshLayout:
                                            ("ep", self.ep, model_config.experts or 1, "experts")):
             if divides % value:
                 raise InvalidValue(name, value, f"a divisor of the {divides} {what}")
-        if model_config.experts and max(self.tp, self.pp, self.cp) > 1:
-            raise InvalidValue("tp, pp, cp", f"{self.tp}, {self.pp}, {self.cp}",
-                               "1 for an MoE model (this composition runs experts with DP × EP only)")
+        if model_config.experts and max(self.tp, self.pp) > 1:
+            raise InvalidValue("tp, pp", f"{self.tp}, {self.pp}",
+                               "1 for an MoE model (this composition runs experts with DP × EP × CP only)")
         if microbatches < self.pp:
             raise InvalidValue("microbatches", microbatches, f">= pp={self.pp} to fill the pipeline")
 
@@ -140,6 +143,9 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         local = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[1][:, positions].reshape(-1),
                                 reduction="sum") / rows[1].numel()
+        balance = load_balancing_loss(model)  # over this rank's tokens: the CP ranks' mean joins the loss
+        if balance is not None:
+            local = local + AUX_LOSS_WEIGHT * balance / layout.cp
         local.backward()
         loss = local.detach().clone()
         dist.all_reduce(loss, group=mesh.cp.group)
