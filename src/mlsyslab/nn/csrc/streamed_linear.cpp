@@ -30,6 +30,8 @@
 #include "kernels.h"
 #include "vec.h"
 
+#include <immintrin.h>
+
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -50,6 +52,17 @@ constexpr int64_t kChunk = 2 * kWidth;  // inputs of one tile row: two vectors
 constexpr int64_t kGroup = 8;           // output rows of one tile
 
 template <typename T> inline T bits_as(const void* p) { T v; std::memcpy(&v, p, sizeof v); return v; }
+
+// a·b + c as one instruction. Written `c += a·b`, -ffast-math regroups a tile row's two products into
+// a multiply, an FMA and an add (three floating-point operations for two FMAs' work); the intrinsic
+// is not regrouped. On Zen 3, cache-resident bf16 tiles went from 45 to ~60 GB/s on one thread.
+inline Vec fused_multiply_add(Vec a, Vec b, Vec c) {
+#if defined(__AVX512F__)
+  return Vec(_mm512_fmadd_ps(__m512(a), __m512(b), __m512(c)));
+#else
+  return Vec(_mm256_fmadd_ps(__m256(a), __m256(b), __m256(c)));
+#endif
+}
 
 // One tile row's kChunk weights as two fp32 vectors, in the order `x_in_tile_order` puts x in.
 inline void weights(const float* w, Vec& first, Vec& second) {
@@ -112,8 +125,8 @@ void group_outputs(const StreamedProduct<T>& p, int64_t group) {
       for (int g = 0; g < kGroup; ++g) {
         Vec first, second;
         weights(tiles + (c * kGroup + g) * kChunk, first, second);
-        acc[g] += first * first_x;
-        acc[g] += second * second_x;
+        acc[g] = fused_multiply_add(first, first_x, acc[g]);
+        acc[g] = fused_multiply_add(second, second_x, acc[g]);
       }
     }
     const Eight sums = transpose_sum(acc);
