@@ -111,12 +111,14 @@ def test_composed_losses_equal_the_single_process_run(layout, world):
 
 
 @pytest.mark.parametrize("layout", [MeshLayout(dp=4, ep=2), MeshLayout(dp=2, ep=2), MeshLayout(cp=2),
-                                    MeshLayout(dp=2, ep=2, cp=2)])
+                                    MeshLayout(dp=2, ep=2, cp=2), MeshLayout(pp=2), MeshLayout(dp=2, ep=2, pp=2)])
 def test_expert_parallel_inside_data_parallel_equals_the_single_process_run(layout):
-    """An MoE model on DP × EP, on CP alone, and on DP2 (EP2) × CP2 (8 ranks: each EP pair exchanges
-    tokens inside one CP index, the expert gradients summed over CP and then over the EDP ranks)."""
-    reference = _moe_single_process(layout.dp, layout.cp)
-    for losses in spawn(_composed, layout.dp * layout.cp, layout, MOE, timeout_s=300):
+    """An MoE model on DP × EP, on CP alone, on DP2 (EP2) × CP2 (8 ranks: each EP pair exchanges tokens
+    inside one CP index, the expert gradients summed over CP and then over the EDP ranks), and under
+    PP, where each microbatch is routed on its own and each stage adds its layers' balancing loss."""
+    shards = layout.dp * (MICROBATCHES if layout.pp > 1 else 1)
+    reference = _moe_single_process(shards, layout.cp)
+    for losses in spawn(_composed, layout.dp * layout.cp * layout.pp, layout, MOE, timeout_s=300):
         assert losses == pytest.approx(reference, rel=1e-9)
 
 
@@ -130,7 +132,7 @@ def test_impossible_layouts_are_rejected(layout, field):
 
 
 @pytest.mark.parametrize("layout, field", [(MeshLayout(dp=4, ep=3), "ep"), (MeshLayout(dp=8, ep=8), "ep"),
-                                           (MeshLayout(dp=2, tp=2, ep=2), "tp, pp"), (MeshLayout(dp=2, pp=2), "tp, pp")])
+                                           (MeshLayout(dp=2, tp=2, ep=2), "tp"), (MeshLayout(dp=2, tp=2), "tp")])
 def test_impossible_expert_layouts_are_rejected(layout, field):
     with pytest.raises(InvalidValue, match=field):
         layout.validate(MOE, layout.dp * layout.tp * layout.pp, SEQ, MICROBATCHES)

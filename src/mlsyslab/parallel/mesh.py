@@ -18,11 +18,13 @@ Under CP an MoE layer routes each rank's share of the sequence on its own (exper
 load-balancing loss over those tokens, as under DP), and an expert's gradient is summed over the CP
 ranks, which hold the same experts.
 Held against the single-process model in tests/parallel/test_mesh.py (DP2 × PP2 × TP2 on 8 ranks,
-DP2 × CP2 on 4, an MoE model on DP4 with EP2, on DP2 with EP2, on DP1 × CP2 and on DP2 (EP2) × CP2).
+DP2 × CP2 on 4, an MoE model on DP4 with EP2, on DP2 with EP2, on CP2, on DP2 (EP2) × CP2, on PP2
+and on DP2 (EP2) × PP2).
 `mlsys train --tp/--pp/--cp/--dp/--ep` runs it (train.trainer.train_on_mesh); given `logs` (a CommLog
-per dimension), every byte each dimension sends is counted there. Not done: MoE models with TP or PP
-(an MoE model runs DP × EP × CP); ZeRO-2/3 with PP or CP (the trainer runs them with TP × DP, ZeRO-1
-with any layout of a dense model).
+per dimension), every byte each dimension sends is counted there. Under PP each stage adds its MoE
+layers' balancing loss itself (parallel/pipeline.py). Not done: MoE models with TP (an MoE model runs
+DP × EP, CP and PP); ZeRO-2/3 with PP or CP (the trainer runs them with TP × DP, ZeRO-1 with any layout
+of a dense model).
 """
 
 from dataclasses import dataclass, replace
@@ -76,9 +78,9 @@ class MeshLayout:
                                            ("ep", self.ep, model_config.experts or 1, "experts")):
             if divides % value:
                 raise InvalidValue(name, value, f"a divisor of the {divides} {what}")
-        if model_config.experts and max(self.tp, self.pp) > 1:
-            raise InvalidValue("tp, pp", f"{self.tp}, {self.pp}",
-                               "1 for an MoE model (this composition runs experts with DP × EP × CP only)")
+        if model_config.experts and self.tp > 1:
+            raise InvalidValue("tp", self.tp, "1 for an MoE model (this composition runs experts with DP × EP, "
+                                              "CP and PP, not TP)")
         if microbatches < self.pp:
             raise InvalidValue("microbatches", microbatches, f">= pp={self.pp} to fill the pipeline")
 

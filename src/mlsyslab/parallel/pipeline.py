@@ -15,6 +15,11 @@ gradients accumulate over the microbatches; the caller's optimizer steps after t
 under "pipedream", where each rank updates its weights after every backward (asynchronous 1F1B)
 and stashes the version each forward used for that microbatch's backward (parallel/weight_stash.py);
 there a step is a run of m microbatches, and the only flush is at its end.
+An MoE model's load-balancing loss is added where its layers are: each chunk's MoE layers route each
+microbatch on its own, and their α-weighted share of the model's mean balancing loss is attached to the
+chunk's output by an identity whose backward adds that share's gradient (`WithLoss`, the method of
+Megatron-Core's MoEAuxLossAutoScaler), so it needs no trip to the last stage; each rank returns its
+shares with the loss, summed over the pipeline by the caller.
 Each span of the executed timeline starts once the action's input has arrived, so the time a rank
 spends waiting for its neighbour is idle time: `executed_bubble` measures the bubble from the spans.
 Twin: predict.pipeline (bubble), predict.memory (activations in flight). Held equal to the
@@ -32,6 +37,7 @@ from mlsyslab.comm.log import CommLog
 from mlsyslab.comm.p2p import Wire
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama, causal_attention, rope_cos_sin, rope_inverse_frequencies
+from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, MixtureOfExperts
 from mlsyslab.parallel.schedules import Schedule, idle_fraction
 from mlsyslab.parallel.weight_stash import WeightStash
 
@@ -88,6 +94,7 @@ class PipelineRank:
         self.peak_activations = 0  # microbatch-chunks held at once, as executed
         self.stashes = [WeightStash(chunk) for chunk in self.chunks] if schedule.name == "pipedream" else None
         self.last_spans: list = []  # the executed timeline of the latest step
+        self.moe_layers = sum(isinstance(module, MixtureOfExperts) for module in model.modules())
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, optimizer: torch.optim.Optimizer | None = None
              ) -> tuple[float | None, list]:
@@ -103,7 +110,7 @@ class PipelineRank:
                                                   "every backward)")
         m = self.schedule.microbatches
         micro_inputs, micro_targets = inputs.chunk(m), targets.chunk(m)
-        kept, losses, sends, spans, arriving = {}, {}, [], [], {}
+        kept, losses, sends, spans, arriving, balances = {}, {}, [], [], {}, []
         actions = self.schedule.actions[self.rank.rank]
         for index, action in enumerate(actions):
             for ahead in range(index, min(index + RECEIVES_AHEAD, len(actions))):
@@ -118,12 +125,18 @@ class PipelineRank:
                 x = micro_inputs[action.microbatch] if incoming is None else incoming[1].requires_grad_(True)
                 began = time.perf_counter()
                 out = chunk(x) if self.stashes is None else self.stashes[action.chunk].forward(action.microbatch, x)
+                share = 1 if self.stashes is not None else m  # PipeDream: each microbatch's own update
+                balance = self._balance(chunk, share)
+                if balance is not None:
+                    balances.append(balance.detach() * share / m)
                 if stage == self.last_stage:
                     loss = self.loss(out, micro_targets[action.microbatch])
                     losses[action.microbatch] = loss.detach() / m
-                    out = loss / m if self.stashes is None else loss  # PipeDream: each microbatch's own update
+                    out = loss / share if balance is None else loss / share + balance
                 else:
                     sends.append(self.wire.isend(out.detach(), self._owner(stage + 1)))
+                    if balance is not None:
+                        out = WithLoss.apply(out, balance)
                 kept[(action.microbatch, action.chunk)] = (x, out)
                 self.peak_activations = max(self.peak_activations, len(kept))
             else:
@@ -138,8 +151,17 @@ class PipelineRank:
         for pending in sends:
             pending.wait()
         self.last_spans = spans
-        loss = float(sum(losses.values())) if losses else None
+        parts = [*losses.values(), *balances]
+        loss = float(sum(parts)) if parts else None
         return loss, spans
+
+    def _balance(self, chunk: nn.Module, share: int) -> torch.Tensor | None:
+        """α · (the chunk's MoE layers' balancing losses in the forward just run) / (MoE layers · share)."""
+        losses = [module.last_routing.aux_loss for module in chunk.modules()
+                  if isinstance(module, MixtureOfExperts) and module.last_routing is not None]
+        if not losses:
+            return None
+        return AUX_LOSS_WEIGHT * torch.stack(losses).sum() / (self.moe_layers * share)
 
     def _owner(self, virtual_stage: int) -> int:
         """The pipeline-group member holding `virtual_stage`."""
@@ -154,6 +176,20 @@ class PipelineRank:
             return None
         buffer = torch.empty(*micro_inputs[action.microbatch].shape, self.hidden, dtype=self.dtype)
         return self.wire.irecv(buffer, self._owner(source)), buffer
+
+
+class WithLoss(torch.autograd.Function):
+    """x unchanged; backward also starts `loss`'s own backward (d loss / d loss = 1), so a loss computed
+    inside a pipeline chunk gets its gradient when the chunk's output gets its own."""
+
+    @staticmethod
+    def forward(ctx, x, loss):
+        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=grad.device)
 
 
 def mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

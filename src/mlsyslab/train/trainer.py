@@ -15,7 +15,7 @@ and, under PP, the bubble of the executed timeline, for `verify.training.compare
 (with --tp and --dp only). An MoE model (a catalog spec with `moe`, e.g. from --model-spec) always
 takes the mesh trainer, which adds its load-balancing loss; --ep splits its experts over the DP ranks.
 Not done yet: ZeRO-2/3 with PP or CP (they reduce inside each backward, before the pipeline's and the
-ring's gradient sums), ZeRO for MoE models, MoE with TP or PP, bf16, offload and checkpoints
+ring's gradient sums), ZeRO for MoE models, MoE with TP, bf16, offload and checkpoints
 inside the mesh — each is rejected before launch.
 """
 
