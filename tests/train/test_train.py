@@ -177,6 +177,23 @@ def test_moe_with_context_parallel_sends_what_predict_says(tmp_path):
     assert 0.5 < wire["expert_parallel"]["measured"] / wire["expert_parallel"]["predicted"] < 1.5, wire
 
 
+def test_zero_for_an_moe_model_equals_its_ddp_run(tmp_path):
+    """ZeRO-2 and -3 on an MoE model (every rank holds every expert: ep = 1): DDP's losses, and the DP
+    bytes predict states. (An expert no token reached still gets a zero gradient, so every rank
+    reduces the same buckets in the same order.)"""
+    spec = tmp_path / "moe.yaml"
+    spec.write_text(TINY.replace("name: llama-tiny", "name: llama-tiny-moe")
+                    + "moe:\n  experts: 4\n  experts_per_token: 2\n  expert_ffn_hidden: 32\n")
+    reference = _train_json(spec, "--steps", "3")["result"]["losses"]
+    for strategy in ("zero2", "zero3"):
+        report = _train_json(spec, "--steps", "3", "--strategy", strategy)
+        assert report["result"]["losses"] == pytest.approx(reference, rel=1e-6), strategy
+        wire = report["predicted_vs_measured"]["wire_bytes_per_step"]["data_parallel"]
+        assert wire["measured"] == pytest.approx(wire["predicted"]), strategy
+    refused = mlsys("train", "--model-spec", str(spec), "--nproc", "2", "--ep", "2", "--strategy", "zero1")
+    assert refused.returncode == 2 and "strategy" in refused.stderr and "ep > 1" in refused.stderr
+
+
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 def test_zero_along_data_parallel_inside_the_mesh(tiny, strategy):
     """DP2 × TP2 on 4 ranks with ZeRO along DP: one process's losses, and the DP bytes predict states

@@ -15,7 +15,7 @@ and, under PP, the bubble of the executed timeline, for `verify.training.compare
 (with --tp and --dp only). An MoE model (a catalog spec with `moe`, e.g. from --model-spec) always
 takes the mesh trainer, which adds its load-balancing loss; --ep splits its experts over the DP ranks.
 Not done yet: ZeRO-2/3 with PP or CP (they reduce inside each backward, before the pipeline's and the
-ring's gradient sums), ZeRO for MoE models, MoE with TP, bf16, offload and checkpoints
+ring's gradient sums), ZeRO for MoE models with --ep > 1, MoE with TP, bf16, offload and checkpoints
 inside the mesh — each is rejected before launch.
 """
 
@@ -130,9 +130,9 @@ class TrainConfig:
 
     def _validate_mesh(self) -> None:
         """What the mesh trainer does not do yet, named before launch."""
-        if self.model.get("moe") and self.strategy != "ddp":
-            raise InvalidValue("strategy", self.strategy, "ddp for an MoE model (ZeRO would treat the experts each "
-                                                          "EP rank holds as replicated: not built yet)")
+        if self.model.get("moe") and self.strategy != "ddp" and self.ep > 1:
+            raise InvalidValue("strategy", self.strategy, "ddp for an MoE model with ep > 1 (ZeRO would treat the "
+                                                          "experts each EP rank holds as replicated: not built yet)")
         if self.strategy in ("zero2", "zero3") and (self.pp > 1 or self.cp > 1):
             raise InvalidValue("strategy", self.strategy, "ddp or zero1 when pp or cp > 1 (ZeRO-2/3 reduce inside every "
                                                           "backward, before the pipeline's and the CP ring's gradient "
