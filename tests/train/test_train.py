@@ -48,8 +48,7 @@ def mlsys(*args, **kwargs):
     (["--tp", "2", "--nproc", "4", "--dp", "1"], "layout"),
     (["--pp", "2", "--global-batch", "2"], "microbatches"),  # fewer microbatches than stages
     (["--ep", "2"], "ep"),  # a dense model has no experts to split
-    (["--pp", "2", "--strategy", "zero2"], "strategy"),  # ZeRO-2/3 only with TP and DP inside the mesh
-    (["--cp", "2", "--strategy", "zero3"], "strategy"),
+    (["--pp", "2", "--strategy", "zero2"], "strategy"),  # ZeRO-2/3 only with TP, DP and CP inside the mesh
     (["--pp", "2", "--schedule", "pipedream"], "schedule"),
     (["--pp", "2", "--interleave", "2"], "interleave"),
     (["--pp", "2", "--microbatches", "3"], "microbatches"),
@@ -195,14 +194,16 @@ def test_zero_for_an_moe_model_equals_its_ddp_run(tmp_path):
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
-def test_zero_along_data_parallel_inside_the_mesh(tiny, strategy):
-    """DP2 × TP2 on 4 ranks with ZeRO along DP: one process's losses, and the DP bytes predict states
+@pytest.mark.parametrize("other", ["--tp", "--cp"])
+def test_zero_along_data_parallel_inside_the_mesh(tiny, strategy, other):
+    """DP2 × TP2 and DP2 × CP2 on 4 ranks with ZeRO: one process's losses, and the bytes predict states
     (gradients reduce-scattered once per step, the updated weights all-gathered; ZeRO-3 gathers the
-    weights for forward and again for backward instead)."""
+    weights for forward and again for backward instead). Under CP, ZeRO shards over the 4 DP × CP
+    ranks (they hold the same weights) and the CP ring carries only K/V."""
     reference = _train_json(tiny, "--nproc", "1", "--steps", "3")["result"]["losses"]
-    report = _train_json(tiny, "--nproc", "4", "--tp", "2", "--dp", "2", "--strategy", strategy, "--steps", "3")
+    report = _train_json(tiny, "--nproc", "4", other, "2", "--dp", "2", "--strategy", strategy, "--steps", "3")
     assert report["result"]["losses"] == pytest.approx(reference, rel=1e-5)
     wire = report["predicted_vs_measured"]["wire_bytes_per_step"]
-    for dimension in ("tensor_parallel", "data_parallel"):
+    for dimension in ("tensor_parallel" if other == "--tp" else "context_parallel", "data_parallel"):
         assert wire[dimension]["predicted"] > 0
         assert wire[dimension]["measured"] == pytest.approx(wire[dimension]["predicted"])

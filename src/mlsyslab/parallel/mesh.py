@@ -23,8 +23,8 @@ and on DP2 (EP2) × PP2).
 `mlsys train --tp/--pp/--cp/--dp/--ep` runs it (train.trainer.train_on_mesh); given `logs` (a CommLog
 per dimension), every byte each dimension sends is counted there. Under PP each stage adds its MoE
 layers' balancing loss itself (parallel/pipeline.py). Not done: MoE models with TP (an MoE model runs
-DP × EP, CP and PP); ZeRO-2/3 with PP or CP (the trainer runs them with TP × DP, ZeRO-1 with any layout
-of a dense model).
+DP × EP, CP and PP); ZeRO-2/3 with PP (ZeRO-1 runs with any layout of a dense model, ZeRO-2/3 with TP,
+DP and CP; under CP every ZeRO stage shards over DP × CP).
 """
 
 from dataclasses import dataclass, replace
@@ -94,17 +94,20 @@ class MeshRanks:
     tp: Rank
     ep: Rank | None  # the DP ranks sharing this rank's experts (None when ep = 1)
     edp: Rank  # the DP ranks holding the same experts as this one (all of DP when ep = 1)
+    dcp: Rank  # the DP and CP ranks together, which hold the same weights: ZeRO's group (DP when cp = 1)
 
 
 def build_mesh(rank: Rank, layout: MeshLayout) -> MeshRanks:
     """This rank's place in each dimension of the (pp, dp, cp, tp) mesh, and in EP and EDP inside DP."""
     mesh = init_device_mesh(rank.device.type, tuple(getattr(layout, d) for d in DIMENSIONS), mesh_dim_names=DIMENSIONS)
     ranks = {name: _rank_in(rank, mesh.get_group(name), mesh.get_local_rank(name)) for name in DIMENSIONS}
+    # new_subgroups_by_enumeration makes every group on every rank (in one order) and returns this rank's
+    ranks["dcp"] = ranks["dp"] if layout.cp == 1 else _rank_in(rank, dist.new_subgroups_by_enumeration(
+        mesh.mesh.permute(0, 3, 1, 2).reshape(-1, layout.dp * layout.cp).tolist())[0])
     if layout.ep == 1:  # no expert groups to make (every start of a mesh would pay for them)
         return MeshRanks(layout, **ranks, ep=None, edp=ranks["dp"])
     dp_lines = mesh.mesh.permute(0, 2, 3, 1).reshape(-1, layout.dp).tolist()  # every DP group, in DP order
     ep, edp = layout.ep, layout.dp // layout.ep
-    # new_subgroups_by_enumeration makes every group on every rank (in one order) and returns this rank's
     ranks["ep"] = _rank_in(rank, dist.new_subgroups_by_enumeration(
         [line[i * ep:(i + 1) * ep] for line in dp_lines for i in range(edp)])[0])
     ranks["edp"] = _rank_in(rank, dist.new_subgroups_by_enumeration(
@@ -123,9 +126,11 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
     """Forward and backward of this rank's share of a global batch; returns the global mean loss.
 
     `inputs`/`targets` are the global batch [B, s]; DP takes rows, CP takes zig-zag columns, PP splits
-    the DP share into `microbatches`. Gradients end summed over CP and, unless `reduce_data_parallel`
-    is False (ZeRO reduces them itself), averaged over DP on every rank. An MoE model's loss includes
-    `AUX_LOSS_WEIGHT` times its load-balancing loss (over each rank's own tokens).
+    the DP share into `microbatches`. Gradients end summed over CP and averaged over DP on every rank
+    — unless `reduce_data_parallel` is False: then the caller's ZeRO averages them over DP × CP
+    (`MeshRanks.dcp`, as Megatron's distributed optimizer), and each CP rank's gradients are those of
+    cp × its share of the loss, so that the mean over DP × CP is the DP mean of the CP sums. An MoE
+    model's loss includes `AUX_LOSS_WEIGHT` times its load-balancing loss (over each rank's own tokens).
     """
     layout, logs = mesh.layout, logs or {}
     rows = inputs.chunk(layout.dp)[mesh.dp.rank], targets.chunk(layout.dp)[mesh.dp.rank]
@@ -148,10 +153,11 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
         balance = load_balancing_loss(model)  # over this rank's tokens: the CP ranks' mean joins the loss
         if balance is not None:
             local = local + AUX_LOSS_WEIGHT * balance / layout.cp
-        local.backward()
+        (local if reduce_data_parallel else layout.cp * local).backward()
         loss = local.detach().clone()
         dist.all_reduce(loss, group=mesh.cp.group)
-        _all_reduce_gradients(model.parameters(), mesh.cp, divisor=1, log=logs.get("context_parallel"))
+        if reduce_data_parallel:
+            _all_reduce_gradients(model.parameters(), mesh.cp, divisor=1, log=logs.get("context_parallel"))
     else:
         logits = model(rows[0])
         loss = vocab_parallel_cross_entropy(logits, rows[1], TensorGroup(mesh.tp, logs.get("tensor_parallel"))) \

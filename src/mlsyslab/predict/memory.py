@@ -1,8 +1,8 @@
 """Training memory per accelerator: model states (ZeRO), activations (Korthikanti), buffers.
 
 Model states, mixed-precision Adam (Rajbhandari et al., SC'20, K = 12): weights 2Ψ, gradients 2Ψ,
-optimizer 12Ψ (fp32 master, m, v). ZeRO-1 shards the optimizer over the data-parallel group N,
-ZeRO-2 also gradients, ZeRO-3 also weights: 16Ψ → 4Ψ+12Ψ/N → 2Ψ+14Ψ/N → 16Ψ/N. Plain SGD keeps
+optimizer 12Ψ (fp32 master, m, v). ZeRO-1 shards the optimizer over the data-parallel group N (with
+context parallelism, DP × CP: Megatron's distributed optimizer; parallel/mesh.py), ZeRO-2 also gradients, ZeRO-3 also weights: 16Ψ → 4Ψ+12Ψ/N → 2Ψ+14Ψ/N → 16Ψ/N. Plain SGD keeps
 only the fp32 master (K = 4); fp32 training keeps no master copy (Adam K = 8, SGD K = 0).
 ZeRO-Offload moves the optimizer to the host: an fp32 master (even for fp32 training, since the
 device keeps its own weights) plus the fp32 state, 12Ψ/N for Adam.
@@ -141,7 +141,7 @@ def training_memory(model: Model, layout: Layout, hbm_bytes: float, optimizer: s
     """Bytes per accelerator of the heaviest pipeline stage's rank, by category."""
     breakdown = parameters(model)
     dense, experts = stage_parameters(breakdown, layout)
-    dp = layout.dp.astype(float)
+    dp = layout.dp.astype(float) * layout.cp  # ZeRO shards over DP × CP: those ranks hold the same weights
     expert_dp = dp / layout.ep
     w1, g1, o1 = model_state_bytes(dense, dp, layout.zero, optimizer, dtype, layout.offload)
     w2, g2, o2 = model_state_bytes(experts, expert_dp, layout.zero, optimizer, dtype, layout.offload)

@@ -139,18 +139,21 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     # Data parallel, in units of one all-reduce of the gradients (2Ψ(N−1)/N): ZeRO-0/1 reduce once per
     # step; ZeRO-2 reduce-scatters every microbatch's gradients then all-gathers the weights once,
     # (m+1)/2; ZeRO-3 gathers the weights forward and backward and reduce-scatters every microbatch, 3m/2.
+    # ZeRO reduces over DP × CP (those ranks hold the same weights; Megatron's distributed optimizer),
+    # plain DP over DP after the CP sum (counted with CP: verify.training).
     dense_params, expert_params = stage_parameters(breakdown, layout)
-    dp_local = np.clip(hw.scale_up_domain / (t * c), 1, None)
     volume = np.select([layout.zero == 3, layout.zero == 2], [1.5 * m, (m + 1) / 2], 1.0) * a.gradient_reduce_bytes
-    expert_dp = d / e
+    group = np.where(layout.zero > 0, d * c, d)
+    dp_local = np.clip(hw.scale_up_domain / (t * group / d), 1, None)  # the group's ranks inside one node
+    expert_dp = group / e
     dp_time = (
-        coll.hierarchical_all_reduce_s(volume * dense_params, d, np.minimum(d, dp_local), **link)
+        coll.hierarchical_all_reduce_s(volume * dense_params, group, np.minimum(group, dp_local), **link)
         + coll.hierarchical_all_reduce_s(volume * expert_params, expert_dp, np.minimum(expert_dp, dp_local), **link))
-    dp_bytes = (coll.ring_all_reduce_bytes_per_rank(volume * dense_params, d)
+    dp_bytes = (coll.ring_all_reduce_bytes_per_rank(volume * dense_params, group)
                 + coll.ring_all_reduce_bytes_per_rank(volume * expert_params, expert_dp))
     # ZeRO-3 gathers (forward, backward) and reduce-scatters each layer's unit separately, every
     # microbatch: 3·m·(layers + 2) collectives, each paying (n − 1) latencies.
-    zero3_latency = np.where(layout.zero == 3, 3 * m * (layers + 2) * (d - 1), 0.0) * np.where(
+    zero3_latency = np.where(layout.zero == 3, 3 * m * (layers + 2) * (group - 1), 0.0) * np.where(
         d * t * c <= hw.scale_up_domain, a.scale_up_latency_s, a.scale_out_latency_s)
     dp_time = dp_time + zero3_latency
     dp_exposed = dp_time * (1 - a.data_parallel_overlap)

@@ -12,10 +12,11 @@ With --tp / --pp / --cp > 1 the same loop runs `parallel.mesh.composed_step` on 
 (DP × PP × CP × TP, with EP inside DP; `train_on_mesh`) and measures the bytes each dimension sends
 and, under PP, the bubble of the executed timeline, for `verify.training.compare_mesh_training`;
 `--strategy zero1` shards the optimizer state along DP, and zero2 / zero3 also the gradients / weights
-(with --tp and --dp only). An MoE model (a catalog spec with `moe`, e.g. from --model-spec) always
+(with --tp, --dp and --cp). An MoE model (a catalog spec with `moe`, e.g. from --model-spec) always
 takes the mesh trainer, which adds its load-balancing loss; --ep splits its experts over the DP ranks.
-Not done yet: ZeRO-2/3 with PP or CP (they reduce inside each backward, before the pipeline's and the
-ring's gradient sums), ZeRO for MoE models with --ep > 1, MoE with TP, bf16, offload and checkpoints
+Under --cp every ZeRO stage shards over the DP and CP ranks together (they hold the same weights).
+Not done yet: ZeRO-2/3 with PP (they reduce inside each backward, before the pipeline's tied-embedding
+sum), ZeRO for MoE models with --ep > 1, MoE with TP, bf16, offload and checkpoints
 inside the mesh — each is rejected before launch.
 """
 
@@ -133,10 +134,10 @@ class TrainConfig:
         if self.model.get("moe") and self.strategy != "ddp" and self.ep > 1:
             raise InvalidValue("strategy", self.strategy, "ddp for an MoE model with ep > 1 (ZeRO would treat the "
                                                           "experts each EP rank holds as replicated: not built yet)")
-        if self.strategy in ("zero2", "zero3") and (self.pp > 1 or self.cp > 1):
-            raise InvalidValue("strategy", self.strategy, "ddp or zero1 when pp or cp > 1 (ZeRO-2/3 reduce inside every "
-                                                          "backward, before the pipeline's and the CP ring's gradient "
-                                                          "sums: not built yet); zero2/zero3 run with --tp and --dp")
+        if self.strategy in ("zero2", "zero3") and self.pp > 1:
+            raise InvalidValue("strategy", self.strategy, "ddp or zero1 when pp > 1 (ZeRO-2/3 reduce inside every "
+                                                          "backward, before the pipeline's tied-embedding sum: not built "
+                                                          "yet); zero2/zero3 run with --tp, --dp and --cp")
         for name in ("bf16", "offload", "resume"):
             if getattr(self, name):
                 raise InvalidValue(name, True, "off when tp, pp, cp or ep > 1 or the model is MoE "
@@ -258,8 +259,8 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
     held = list(module.parameters())
     adamw = lambda params: torch.optim.AdamW(params, lr=config.lr, weight_decay=0.1, foreach=False)  # noqa: E731
     zero = None
-    if config.strategy != "ddp":  # ZeRO along the data-parallel group, on the TP shards this rank holds
-        zero = ZeroDataParallel(module, mesh.dp, config.zero_stage, adamw, bucket_bytes=config.bucket_bytes,
+    if config.strategy != "ddp":  # ZeRO along DP (× CP: those ranks hold the same weights), on this rank's TP shards
+        zero = ZeroDataParallel(module, mesh.dcp, config.zero_stage, adamw, bucket_bytes=config.bucket_bytes,
                                 log=logs["data_parallel"])
         logs["data_parallel"].reset()  # its start-up broadcast is not a step's traffic
     optimizer = adamw(held) if zero is None else None  # under ZeRO the wrapper owns the optimizer

@@ -98,7 +98,8 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
     wire["pipeline_p2p"] *= (2 * v - 1) / (2 * v)  # the first stage sends no gradient back from virtual stage 0
     if config.pp > 1 and spec.tied_embeddings:  # the tied embedding's gradient, summed over the pipeline
         wire["pipeline_p2p"] += float(ring_all_reduce_bytes_per_rank(spec.vocab / config.tp * spec.hidden * 4, config.pp))
-    if config.cp > 1:  # every rank holds all the weights: their gradients are summed over the CP group
+    if config.cp > 1 and config.zero_stage == 0:  # every rank holds all the weights: their gradients are
+        # summed over the CP group (under ZeRO they are reduced over DP × CP instead: predict's DP term)
         wire["context_parallel"] += float(ring_all_reduce_bytes_per_rank(result["parameters"] * 4, config.cp))
     measured_step = float(np.median(result["step_s"][1:] or result["step_s"])) if result["step_s"] else None
     report = {
