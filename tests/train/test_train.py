@@ -126,10 +126,16 @@ def test_report_holds_states_and_wire_equal_to_predict(tiny, strategy, extra):
     assert report["step_s"]["measured"] > 0
 
 
-def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny):
+@pytest.fixture(scope="module")
+def single_process_losses(tiny):
+    """The tiny model's first 3 losses on one process: the reference of the mesh runs."""
+    return _train_json(tiny, "--nproc", "1", "--steps", "3")["result"]["losses"]
+
+
+def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny, single_process_losses):
     """--tp 2, --pp 2 (tied embeddings across the stages) and --cp 2 reproduce one process's losses;
     TP, PP and CP bytes on the wire equal the prediction, and PP reports its executed bubble."""
-    reference = _train_json(tiny, "--nproc", "1", "--steps", "3")["result"]["losses"]
+    reference = single_process_losses
     for args in (["--tp", "2"], ["--pp", "2", "--microbatches", "4"], ["--cp", "2"]):
         report = _train_json(tiny, "--steps", "3", *args)
         assert report["result"]["losses"] == pytest.approx(reference, rel=1e-5), args
@@ -195,12 +201,12 @@ def test_zero_for_an_moe_model_equals_its_ddp_run(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 @pytest.mark.parametrize("other", ["--tp", "--cp"])
-def test_zero_along_data_parallel_inside_the_mesh(tiny, strategy, other):
+def test_zero_along_data_parallel_inside_the_mesh(tiny, single_process_losses, strategy, other):
     """DP2 × TP2 and DP2 × CP2 on 4 ranks with ZeRO: one process's losses, and the bytes predict states
     (gradients reduce-scattered once per step, the updated weights all-gathered; ZeRO-3 gathers the
     weights for forward and again for backward instead). Under CP, ZeRO shards over the 4 DP × CP
     ranks (they hold the same weights) and the CP ring carries only K/V."""
-    reference = _train_json(tiny, "--nproc", "1", "--steps", "3")["result"]["losses"]
+    reference = single_process_losses
     report = _train_json(tiny, "--nproc", "4", other, "2", "--dp", "2", "--strategy", strategy, "--steps", "3")
     assert report["result"]["losses"] == pytest.approx(reference, rel=1e-5)
     wire = report["predicted_vs_measured"]["wire_bytes_per_step"]
