@@ -70,12 +70,17 @@ class MixtureOfExperts(nn.Module):
 AUX_LOSS_WEIGHT = 0.01  # α of the Switch Transformer (Fedus et al. 2021, §2.2), added to the language-model loss
 
 
+def balancing_losses(module: nn.Module) -> list[torch.Tensor]:
+    """The auxiliary losses of the MoE layers inside `module` in their last forward."""
+    return [layer.last_routing.aux_loss for layer in module.modules()
+            if isinstance(layer, MixtureOfExperts) and layer.last_routing is not None]
+
+
 def load_balancing_loss(model: nn.Module) -> torch.Tensor | None:
     """The mean auxiliary loss of the model's MoE layers in its last forward (None for a dense model).
     Each layer's is over the tokens it routed: under data parallelism, one rank's (as Megatron-LM and
     DeepSpeed-MoE compute it)."""
-    losses = [module.last_routing.aux_loss for module in model.modules()
-              if isinstance(module, MixtureOfExperts) and module.last_routing is not None]
+    losses = balancing_losses(model)
     return torch.stack(losses).mean() if losses else None
 
 

@@ -37,7 +37,7 @@ from mlsyslab.comm.log import CommLog
 from mlsyslab.comm.p2p import Wire
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama, causal_attention, rope_cos_sin, rope_inverse_frequencies
-from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, MixtureOfExperts
+from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, MixtureOfExperts, balancing_losses
 from mlsyslab.parallel.schedules import Schedule, idle_fraction
 from mlsyslab.parallel.weight_stash import WeightStash
 
@@ -157,8 +157,7 @@ class PipelineRank:
 
     def _balance(self, chunk: nn.Module, share: int) -> torch.Tensor | None:
         """α · (the chunk's MoE layers' balancing losses in the forward just run) / (MoE layers · share)."""
-        losses = [module.last_routing.aux_loss for module in chunk.modules()
-                  if isinstance(module, MixtureOfExperts) and module.last_routing is not None]
+        losses = balancing_losses(chunk)
         if not losses:
             return None
         return AUX_LOSS_WEIGHT * torch.stack(losses).sum() / (self.moe_layers * share)

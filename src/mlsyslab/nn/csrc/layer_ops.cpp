@@ -37,7 +37,8 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t hidden,
 template <typename T>
 void silu_and_mul_rows(const T* gates, const T* ups, T* out, int64_t rows, int64_t width, int64_t row_stride) {
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / width), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) silu_and_mul_span(gates + r * row_stride, ups + r * row_stride, out + r * width, width);
+    for (int64_t r = begin; r < end; ++r)
+      silu_and_mul_span(gates + r * row_stride, ups + r * row_stride, out + r * width, width);
   });
 }
 
@@ -46,7 +47,8 @@ void rope_rows(T* x, const T* cos, const T* sin, int64_t tokens, int64_t token_s
   at::parallel_for(0, tokens, std::max<int64_t>(1, kGrain / (heads * dim)), [&](int64_t begin, int64_t end) {
     std::vector<float> rotated(dim);
     for (int64_t t = begin; t < end; ++t)
-      for (int64_t h = 0; h < heads; ++h) rope_head(x + t * token_stride + h * dim, cos + t * dim, sin + t * dim, dim, rotated.data());
+      for (int64_t h = 0; h < heads; ++h)
+        rope_head(x + t * token_stride + h * dim, cos + t * dim, sin + t * dim, dim, rotated.data());
   });
 }
 

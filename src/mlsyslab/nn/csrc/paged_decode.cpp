@@ -176,7 +176,8 @@ void check_paged_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int
               v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type() &&
               (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16),
               "k_cache, v_cache: contiguous fp32 or bf16 [kv_heads, num_blocks, block_size, head_dim]");
-  TORCH_CHECK(heads % k_cache.size(0) == 0, "heads (", heads, ") must be a multiple of kv_heads (", k_cache.size(0), ")");
+  TORCH_CHECK(heads % k_cache.size(0) == 0, "heads (", heads, ") must be a multiple of kv_heads (", k_cache.size(0),
+              ")");
   TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong && tables.is_contiguous() &&
               tables.size(0) == sequences, "tables: contiguous int64 [sequences, blocks]");
   TORCH_CHECK(lengths.dim() == 1 && lengths.scalar_type() == at::kLong && lengths.is_contiguous() &&

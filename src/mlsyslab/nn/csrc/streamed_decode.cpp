@@ -50,11 +50,10 @@ struct Step {
   float eps;
   const T* cos;  // [tokens, head_dim]
   const T* sin;
-  std::vector<const T*> norms, tiles;  // 2 and 4 per layer
-  std::vector<int64_t> chunks;         // of each matrix's tiles
+  std::vector<const T*> norms;  // 2 per layer
+  std::vector<const T*> tiles;  // 4 per layer (q|k|v, o, gate|up, down), then the lm_head's
+  std::vector<int64_t> chunks;  // of each matrix's tiles
   const T* final_norm;
-  const T* head_tiles;
-  int64_t head_chunks;
   T* k_cache;  // [layers, kv_heads, slots_per_head, head_dim]
   T* v_cache;
   const int64_t* slots;  // [tokens]
@@ -72,13 +71,21 @@ struct Step {
   float* attended_fp32;
 };
 
-// y [rows, out] (+)= x [rows, in] · Wᵀ for thread t's share of the output groups.
+// y [rows, out] (+)= x [rows, in] · Wᵀ, W the step's matrix `matrix`, for thread t's share of its output groups.
 template <typename T>
-void product(const T* x, int64_t rows, int64_t in, const T* tiles, int64_t chunks, int64_t out, const T* residual, T* y,
-             int t, int threads) {
+void product(const Step<T>& s, int64_t matrix, const T* x, int64_t rows, int64_t in, int64_t out, T* y, int t,
+             int threads, const T* residual = nullptr) {
+  const int64_t chunks = s.chunks[matrix];
   const float* xs = streamed_input<T>(x, rows, in, in, chunks);
   const Share share((out + 7) / 8, t, threads);
-  streamed_groups(StreamedProduct<T>{xs, tiles, residual, y, rows, chunks, out}, share.begin, share.end);
+  streamed_groups(StreamedProduct<T>{xs, s.tiles[matrix], residual, y, rows, chunks, out}, share.begin, share.end);
+}
+
+// normed[i] = rms_norm(h[rows[i]]) with `weight`, for `count` rows (rows null: the first `count`).
+template <typename T>
+void norm_rows(const Step<T>& s, const T* weight, T* normed, int64_t count, const int64_t* rows = nullptr) {
+  for (int64_t i = 0; i < count; ++i)
+    rms_norm_row(s.h + (rows ? rows[i] : i) * s.hidden, weight, normed + i * s.hidden, s.hidden, s.eps);
 }
 
 // Rope the item's K head and query heads in place, write its K and V heads into their cache slot, and
@@ -107,9 +114,8 @@ void rope_and_cache(const Step<T>& s, int64_t layer, int64_t item, float* rotate
 template <typename T>
 void layer(const Step<T>& s, int64_t l, T* normed, float* rotated, int t, int threads) {
   const int64_t d = s.head_dim, attention_width = s.heads * d;
-  for (int64_t r = 0; r < s.tokens; ++r) rms_norm_row(s.h + r * s.hidden, s.norms[2 * l], normed + r * s.hidden, s.hidden, s.eps);
-  product(normed, s.tokens, s.hidden, s.tiles[4 * l], s.chunks[4 * l], attention_width + 2 * s.kv_heads * d,
-          static_cast<const T*>(nullptr), s.qkv, t, threads);
+  norm_rows(s, s.norms[2 * l], normed, s.tokens);
+  product(s, 4 * l, normed, s.tokens, s.hidden, attention_width + 2 * s.kv_heads * d, s.qkv, t, threads);
 #pragma omp barrier
   PagedDecode<T> attention = s.attention;
   const int64_t layer_elements = s.kv_heads * s.slots_per_head * d;
@@ -124,18 +130,16 @@ void layer(const Step<T>& s, int64_t l, T* normed, float* rotated, int t, int th
     for (int64_t i = first; i < first + group * d; ++i) s.attended[i] = narrow<T>(s.attended_fp32[i]);
   }
 #pragma omp barrier
-  product(s.attended, s.tokens, attention_width, s.tiles[4 * l + 1], s.chunks[4 * l + 1], s.hidden, s.h, s.h, t, threads);
+  product(s, 4 * l + 1, s.attended, s.tokens, attention_width, s.hidden, s.h, t, threads, s.h);
 #pragma omp barrier
-  for (int64_t r = 0; r < s.tokens; ++r)
-    rms_norm_row(s.h + r * s.hidden, s.norms[2 * l + 1], normed + r * s.hidden, s.hidden, s.eps);
-  product(normed, s.tokens, s.hidden, s.tiles[4 * l + 2], s.chunks[4 * l + 2], 2 * s.ffn, static_cast<const T*>(nullptr),
-          s.gates, t, threads);
+  norm_rows(s, s.norms[2 * l + 1], normed, s.tokens);
+  product(s, 4 * l + 2, normed, s.tokens, s.hidden, 2 * s.ffn, s.gates, t, threads);
 #pragma omp barrier
   const Share rows(s.tokens, t, threads);
   for (int64_t r = rows.begin; r < rows.end; ++r)
     silu_and_mul_span(s.gates + r * 2 * s.ffn, s.gates + r * 2 * s.ffn + s.ffn, s.act + r * s.ffn, s.ffn);
 #pragma omp barrier
-  product(s.act, s.tokens, s.ffn, s.tiles[4 * l + 3], s.chunks[4 * l + 3], s.hidden, s.h, s.h, t, threads);
+  product(s, 4 * l + 3, s.act, s.tokens, s.ffn, s.hidden, s.h, t, threads, s.h);
 #pragma omp barrier
 }
 
@@ -147,15 +151,10 @@ void run(const Step<T>& s, int64_t max_threads) {
     std::vector<T> normed(std::max(s.tokens, s.logit_rows) * s.hidden);
     std::vector<float> rotated(s.head_dim);
     for (int64_t l = 0; l < s.layers; ++l) layer(s, l, normed.data(), rotated.data(), t, threads);
-    for (int64_t i = 0; i < s.logit_rows; ++i)
-      rms_norm_row(s.h + s.rows[i] * s.hidden, s.final_norm, normed.data() + i * s.hidden, s.hidden, s.eps);
-    product(normed.data(), s.logit_rows, s.hidden, s.head_tiles, s.head_chunks, s.vocab, static_cast<const T*>(nullptr),
-            s.logits, t, threads);
+    norm_rows(s, s.final_norm, normed.data(), s.logit_rows, s.rows);
+    product(s, 4 * s.layers, normed.data(), s.logit_rows, s.hidden, s.vocab, s.logits, t, threads);
   }
 }
-
-template <typename T>
-const T* data(const at::Tensor& t) { return t.data_ptr<T>(); }
 
 }  // namespace
 
@@ -210,12 +209,13 @@ at::Tensor streamed_decode(const at::Tensor& hidden_in, const at::Tensor& cos, c
   at::Tensor h = hidden_in.clone(), qkv = at::empty({tokens, shapes[0][0]}, options);
   at::Tensor attended = at::empty({tokens, heads * head_dim}, options), gates = at::empty({tokens, 2 * ffn}, options);
   at::Tensor act = at::empty({tokens, ffn}, options), logits = at::empty({logit_rows.size(0), vocab}, options);
-  at::Tensor query = at::empty({tokens, heads, head_dim}, options.dtype(at::kFloat)), attended_fp32 = at::empty_like(query);
+  at::Tensor query = at::empty({tokens, heads, head_dim}, options.dtype(at::kFloat));
+  at::Tensor attended_fp32 = at::empty_like(query);
   const auto fill = [&](auto tag) {
     using T = decltype(tag);
     Step<T> s{layers, tokens, hidden, heads, kv_heads, head_dim, ffn, vocab, k_cache.size(2) * k_cache.size(3),
-              float(eps), data<T>(cos), data<T>(sin), {}, {}, {}, data<T>(final_norm), data<T>(head_tiles),
-              head_tiles.size(1), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), slots.data_ptr<int64_t>(),
+              float(eps), cos.data_ptr<T>(), sin.data_ptr<T>(), {}, {}, {}, final_norm.data_ptr<T>(),
+              k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), slots.data_ptr<int64_t>(),
               logit_rows.data_ptr<int64_t>(), logit_rows.size(0),
               PagedDecode<T>{query.data_ptr<float>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
                              tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), attended_fp32.data_ptr<float>(),
@@ -223,9 +223,10 @@ at::Tensor streamed_decode(const at::Tensor& hidden_in, const at::Tensor& cos, c
                              float(1.0 / std::sqrt(double(head_dim)))},
               h.data_ptr<T>(), qkv.data_ptr<T>(), attended.data_ptr<T>(), gates.data_ptr<T>(), act.data_ptr<T>(),
               logits.data_ptr<T>(), query.data_ptr<float>(), attended_fp32.data_ptr<float>()};
-    for (const at::Tensor& norm : norms) s.norms.push_back(data<T>(norm));
-    for (const at::Tensor& tile : tiles) {
-      s.tiles.push_back(data<T>(tile));
+    for (const at::Tensor& norm : norms) s.norms.push_back(norm.data_ptr<T>());
+    for (int64_t i = 0; i <= 4 * layers; ++i) {
+      const at::Tensor& tile = i < 4 * layers ? tiles[i] : head_tiles;
+      s.tiles.push_back(tile.data_ptr<T>());
       s.chunks.push_back(tile.size(1));
     }
     run(s, at::get_num_threads());

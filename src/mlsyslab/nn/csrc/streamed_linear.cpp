@@ -11,7 +11,7 @@
 // contiguous range of groups. The x rows are converted to fp32 once, into a buffer that stays in L1, in
 // the order the weights come out of a tile; each weight vector is loaded and widened once per row of x.
 // bf16 weights are read as 32-bit words: word << 16 is the even input's weight as an fp32 and
-// word & 0xFFFF0000 the odd one's (bf16 is the top half of an fp32), two instructions per 2·kWidth
+// word & 0xFFFF0000 the odd one's (bf16 is the top half of an fp32), two instructions per 2·kLanes
 // weights. Sums are fp32, each output's chunks in order, its lanes by one fixed tree
 // (`transpose_sum`): a row's result does not depend on how many rows the call has, so a sequence
 // decodes the same in any batch. The residual is added in fp32 and the result rounded once (bf16:
@@ -30,7 +30,9 @@
 #include "kernels.h"
 #include "vec.h"
 
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 
 #include <cstring>
 #include <type_traits>
@@ -40,15 +42,8 @@ namespace {
 
 using namespace mlsyslab;
 
-// The widest vector the compiler targets (-march=native): one AVX-512 register, or one AVX2 one.
-#if defined(__AVX512F__)
-constexpr int kWidth = 16;
-#else
-constexpr int kWidth = 8;
-#endif
-typedef Lanes<kWidth>::Floats Vec;
-typedef Lanes<kWidth>::Words Words;
-constexpr int64_t kChunk = 2 * kWidth;  // inputs of one tile row: two vectors
+typedef Lanes<kLanes>::Words Words;  // the bits of one vector of Floats (vec.h: as wide as the registers)
+constexpr int64_t kChunk = 2 * kLanes;  // inputs of one tile row: two vectors
 constexpr int64_t kGroup = 8;           // output rows of one tile
 
 template <typename T> inline T bits_as(const void* p) { T v; std::memcpy(&v, p, sizeof v); return v; }
@@ -56,24 +51,26 @@ template <typename T> inline T bits_as(const void* p) { T v; std::memcpy(&v, p, 
 // a·b + c as one instruction. Written `c += a·b`, -ffast-math regroups a tile row's two products into
 // a multiply, an FMA and an add (three floating-point operations for two FMAs' work); the intrinsic
 // is not regrouped. On Zen 3, L3-resident bf16 tiles went from 45.5-46.6 to 48.9-50.4 GB/s on one thread.
-inline Vec fused_multiply_add(Vec a, Vec b, Vec c) {
+inline Floats fused_multiply_add(Floats a, Floats b, Floats c) {
 #if defined(__AVX512F__)
-  return Vec(_mm512_fmadd_ps(__m512(a), __m512(b), __m512(c)));
+  return Floats(_mm512_fmadd_ps(__m512(a), __m512(b), __m512(c)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  return Floats(_mm256_fmadd_ps(__m256(a), __m256(b), __m256(c)));
 #else
-  return Vec(_mm256_fmadd_ps(__m256(a), __m256(b), __m256(c)));
+  return c + a * b;  // other CPUs (aarch64): whatever the compiler makes of it
 #endif
 }
 
 // One tile row's kChunk weights as two fp32 vectors, in the order `x_in_tile_order` puts x in.
-inline void weights(const float* w, Vec& first, Vec& second) {
-  first = bits_as<Vec>(w);
-  second = bits_as<Vec>(w + kWidth);
+inline void weights(const float* w, Floats& first, Floats& second) {
+  first = bits_as<Floats>(w);
+  second = bits_as<Floats>(w + kLanes);
 }
-inline void weights(const c10::BFloat16* w, Vec& even, Vec& odd) {
+inline void weights(const c10::BFloat16* w, Floats& even, Floats& odd) {
   const Words words = bits_as<Words>(w);
   const Words low = words << 16, high = words & 0xFFFF0000u;
-  even = bits_as<Vec>(&low);
-  odd = bits_as<Vec>(&high);
+  even = bits_as<Floats>(&low);
+  odd = bits_as<Floats>(&high);
 }
 
 // x rows as fp32, zero-padded to `padded` inputs, each chunk in the order `weights` returns them: fp32
@@ -89,18 +86,18 @@ const float* x_in_tile_order(const X* x, int64_t rows, int64_t in, int64_t row_s
     float* split = buffer.data() + r * padded;
     const int64_t whole = in / kChunk * kChunk;
     for (int64_t chunk = 0; chunk < whole; chunk += kChunk)
-      for (int i = 0; i < kWidth; ++i) {
+      for (int i = 0; i < kLanes; ++i) {
         split[chunk + i] = widen(row[chunk + (pairs ? 2 * i : i)]);
-        split[chunk + kWidth + i] = widen(row[chunk + (pairs ? 2 * i + 1 : kWidth + i)]);
+        split[chunk + kLanes + i] = widen(row[chunk + (pairs ? 2 * i + 1 : kLanes + i)]);
       }
     for (int64_t lane = 0; lane < in - whole; ++lane)  // the last, partial chunk
-      split[whole + (pairs ? lane / 2 + (lane % 2) * kWidth : lane)] = widen(row[whole + lane]);
+      split[whole + (pairs ? lane / 2 + (lane % 2) * kLanes : lane)] = widen(row[whole + lane]);
   }
   return buffer.data();
 }
 
 // Lane g of the result: the sum of the lanes of acc[g] (an AVX-512 vector's halves added first).
-inline Eight transpose_sum(const Vec (&acc)[kGroup]) {
+inline Eight transpose_sum(const Floats (&acc)[kGroup]) {
   Eight a[8];
   for (int g = 0; g < 8; ++g) {
 #if defined(__AVX512F__)
@@ -119,11 +116,12 @@ void group_outputs(const StreamedProduct<T>& p, int64_t group) {
   const int64_t padded = p.chunks * kChunk;
   for (int64_t r = 0; r < p.rows; ++r) {
     const float* x = p.x + r * padded;
-    Vec acc[kGroup] = {};
+    Floats acc[kGroup] = {};
     for (int64_t c = 0; c < p.chunks; ++c) {
-      const Vec first_x = bits_as<Vec>(x + c * kChunk), second_x = bits_as<Vec>(x + c * kChunk + kWidth);
+      const Floats first_x = bits_as<Floats>(x + c * kChunk);
+      const Floats second_x = bits_as<Floats>(x + c * kChunk + kLanes);
       for (int g = 0; g < kGroup; ++g) {
-        Vec first, second;
+        Floats first, second;
         weights(tiles + (c * kGroup + g) * kChunk, first, second);
         acc[g] = fused_multiply_add(first, first_x, acc[g]);
         acc[g] = fused_multiply_add(second, second_x, acc[g]);

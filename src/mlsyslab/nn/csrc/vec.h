@@ -1,5 +1,5 @@
-// bf16 <-> fp32 conversions, vectors of floats as wide as the CPU's registers (GCC vector extensions) and the few operations the kernels build on them: loads that widen bf16,
-// horizontal reductions, and an exp.
+// bf16 <-> fp32 conversions, vectors of floats as wide as the CPU's registers (GCC vector extensions),
+// and the few operations the kernels build on them: loads that widen bf16, horizontal reductions, an exp.
 #pragma once
 
 #include <c10/util/BFloat16.h>
