@@ -131,8 +131,14 @@ def test_impossible_layouts_are_rejected(layout, field):
         layout.validate(CONFIG, world, SEQ, MICROBATCHES)
 
 
-@pytest.mark.parametrize("layout, field", [(MeshLayout(dp=4, ep=3), "ep"), (MeshLayout(dp=8, ep=8), "ep"),
-                                           (MeshLayout(dp=2, tp=2, ep=2), "tp"), (MeshLayout(dp=2, tp=2), "tp")])
-def test_impossible_expert_layouts_are_rejected(layout, field):
-    with pytest.raises(InvalidValue, match=field):
+@pytest.mark.parametrize("layout, field, message", [
+    (MeshLayout(dp=4, ep=3), "ep", "divisor of the 4 data-parallel"), (MeshLayout(dp=8, ep=8), "ep", "4 experts"),
+    (MeshLayout(dp=2, tp=2, ep=2), "ep", "under tp > 1"), (MeshLayout(dp=2, tp=4), "tp", "KV heads")])
+def test_impossible_expert_layouts_are_rejected(layout, field, message):
+    with pytest.raises(InvalidValue, match=field) as error:
         layout.validate(MOE, layout.dp * layout.tp * layout.pp, SEQ, MICROBATCHES)
+    assert message in str(error.value)
+    MeshLayout(dp=2, tp=2).validate(MOE, 4, SEQ, MICROBATCHES)  # TP splits every expert
+    with pytest.raises(InvalidValue, match="tp") as error:
+        MeshLayout(dp=2, tp=2).validate(dataclasses.replace(MOE, expert_ffn_hidden=33), 4, SEQ, MICROBATCHES)
+    assert "33 expert hidden units" in str(error.value)

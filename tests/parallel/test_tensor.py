@@ -9,6 +9,7 @@ import torch
 from mlsyslab.comm.launch import spawn
 from mlsyslab.comm.log import CommLog
 from mlsyslab.nn.llama import Llama, LlamaConfig
+from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, load_balancing_loss
 from mlsyslab.parallel.tensor import TensorGroup, parallelize_llama, sync_replicated_gradients, vocab_parallel_cross_entropy
 
 CONFIG = LlamaConfig(vocab=64, hidden=32, layers=2, heads=8, kv_heads=4, head_dim=4, ffn_hidden=48, tied_embeddings=True,
@@ -71,3 +72,58 @@ def test_tensor_parallel_equals_single_process(world, sequence_parallel):
         assert log["reduce_scatter"]["bytes_sent"] == pytest.approx((2 * layers + 1) * (world - 1) / world * message)
     else:
         assert log["all_reduce"]["calls"] == 2 * layers + 1 + 3  # + embedding, + loss: max, sum, target
+
+
+# capacity 1.25: some slots are dropped, and the same ones on every rank (they route the same tokens)
+MOE = LlamaConfig(vocab=64, hidden=32, layers=2, heads=8, kv_heads=4, head_dim=4, ffn_hidden=48, tied_embeddings=True,
+                  max_seq=64, experts=4, experts_per_token=2, dense_layers=1)
+
+
+def _compare_moe(rank, sequence_parallel):
+    """An MoE model under TP: logits, loss (with the balancing loss) and the gradients of the router,
+    the expert slices and the rest, against one process."""
+    reference = Llama(MOE).initialize(generator=torch.Generator().manual_seed(1)).double()
+    model = copy.deepcopy(reference)  # before a forward leaves its routing on the reference
+    ids = torch.randint(0, MOE.vocab, (2, 9), generator=torch.Generator().manual_seed(2))
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    logits = reference(inputs)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, MOE.vocab), targets.reshape(-1)) \
+        + AUX_LOSS_WEIGHT * load_balancing_loss(reference)
+    loss.backward()
+
+    log = CommLog()
+    tp = TensorGroup(rank, log)
+    model = parallelize_llama(model, tp, sequence_parallel)
+    local_logits = model(inputs)
+    ours = vocab_parallel_cross_entropy(local_logits, targets, tp) + AUX_LOSS_WEIGHT * load_balancing_loss(model)
+    ours.backward()
+    if sequence_parallel:
+        sync_replicated_gradients(model, tp)
+    t, r = tp.size, tp.index
+    moe, reference_moe = model.layers[1].mlp.layer, reference.layers[1].mlp
+    errors = {"logits": (local_logits - logits.chunk(t, dim=-1)[r]).abs().max().item(),
+              "loss": abs(ours.item() - loss.item()),
+              "router": (moe.router.weight.grad - reference_moe.router.weight.grad).abs().max().item(),
+              "embedding": (model.embed_tokens.weight.grad - reference.embed_tokens.weight.grad.chunk(t, 0)[r]).abs().max().item(),
+              "layer1.norm": (model.layers[1].post_attention_layernorm.weight.grad
+                              - reference.layers[1].post_attention_layernorm.weight.grad).abs().max().item(),
+              "layer1.q": (model.layers[1].self_attn.fused_qkv.q.weight.grad
+                           - reference.layers[1].self_attn.q_proj.weight.grad.chunk(t, 0)[r]).abs().max().item()}
+    for e, (expert, full) in enumerate(zip(moe.experts, reference_moe.experts)):
+        for name, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
+            errors[f"expert{e}.{name}"] = (getattr(expert, name).weight.grad
+                                           - getattr(full, name).weight.grad.chunk(t, dim=dim)[r]).abs().max().item()
+    assert reference_moe.last_routing.dropped > 0
+    return errors, log.as_dict(), moe.last_routing.expert.numel()
+
+
+@pytest.mark.parametrize("world, sequence_parallel", [(2, False), (2, True), (4, False)])
+def test_tensor_parallel_moe_equals_single_process(world, sequence_parallel):
+    results = spawn(_compare_moe, world, sequence_parallel)
+    for errors, log, kept in results:
+        assert max(errors.values()) < 1e-9, errors  # float64
+        # the MoE layer's f and g are the dense MLP's; its kept slots' weights (fp32, whatever the model's
+        # dtype) add one small all-reduce backward
+        assert log["all_reduce_routing"] == {"calls": 1, "bytes_sent": int(2 * (world - 1) / world * kept * 4)}
+        if not sequence_parallel:  # f and g of every layer, forward and backward, dense or MoE: as test above
+            assert log["all_reduce"]["calls"] == 4 * MOE.layers + 1 + 3 + 1

@@ -182,6 +182,23 @@ def test_moe_with_context_parallel_sends_what_predict_says(tmp_path):
     assert 0.5 < wire["expert_parallel"]["measured"] / wire["expert_parallel"]["predicted"] < 1.5, wire
 
 
+def test_moe_with_tensor_parallel_equals_one_process(tmp_path):
+    """An MoE model on TP2: every expert split over the two ranks, the losses of one process (which
+    routes the same tokens), and the TP bytes predict states: the dense layers' plus each MoE layer's
+    routing-weight gradient, predicted for every routed copy (copies dropped over capacity send nothing).
+    With --ep as well it is refused before launch."""
+    spec = tmp_path / "moe.yaml"
+    spec.write_text(TINY.replace("name: llama-tiny", "name: llama-tiny-moe")
+                    + "moe:\n  experts: 4\n  experts_per_token: 2\n  expert_ffn_hidden: 32\n")
+    reference = _train_json(spec, "--nproc", "1", "--steps", "3")["result"]["losses"]
+    report = _train_json(spec, "--nproc", "2", "--tp", "2", "--steps", "3")
+    assert report["result"]["losses"] == pytest.approx(reference, rel=1e-5)
+    wire = report["predicted_vs_measured"]["wire_bytes_per_step"]["tensor_parallel"]
+    assert wire["measured"] <= wire["predicted"] and wire["measured"] == pytest.approx(wire["predicted"], rel=1e-2), wire
+    refused = mlsys("train", "--model-spec", str(spec), "--nproc", "4", "--tp", "2", "--dp", "2", "--ep", "2")
+    assert refused.returncode == 2 and "ep" in refused.stderr and "tp > 1" in refused.stderr
+
+
 def test_zero_for_an_moe_model_equals_its_ddp_run(tmp_path):
     """ZeRO-2 and -3 on an MoE model (every rank holds every expert: ep = 1): DDP's losses, and the DP
     bytes predict states. (An expert no token reached still gets a zero gradient, so every rank

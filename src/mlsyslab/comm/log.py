@@ -51,6 +51,7 @@ class CommLog:
 
 
 _RING_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "all_to_all": 1.0,
+                "all_reduce_routing": 2.0,  # parallel.tensor: MoE routing weights' gradient under TP
                 "broadcast": 1.0}  # broadcast: a chain's (n−1)·M bytes averaged over the n ranks
 
 

@@ -61,10 +61,13 @@ class MixtureOfExperts(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         routing = self.route(tokens)
         self.last_routing = routing
-        counts = torch.bincount(routing.expert, minlength=self.experts_count).tolist()
-        outputs = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, tokens[routing.token].split(counts))])
-        out = combine(tokens, routing, outputs).reshape(shape)
+        out = combine(tokens, routing, self.run_experts(tokens, routing)).reshape(shape)
         return out if residual is None else residual + out
+
+    def run_experts(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Each kept slot's expert output [slots, hidden], in routing order."""
+        counts = torch.bincount(routing.expert, minlength=self.experts_count).tolist()
+        return torch.cat([expert(chunk) for expert, chunk in zip(self.experts, tokens[routing.token].split(counts))])
 
 
 AUX_LOSS_WEIGHT = 0.01  # α of the Switch Transformer (Fedus et al. 2021, §2.2), added to the language-model loss

@@ -66,6 +66,8 @@ class MeshLayout:
         for name, value, divides, what in (("tp", self.tp, model_config.heads, "attention heads"),
                                            ("tp", self.tp, model_config.kv_heads, "KV heads"),
                                            ("tp", self.tp, model_config.vocab, "vocabulary rows"),
+                                           ("tp", self.tp, model_config.ffn_hidden, "MLP hidden units"),
+                                           ("tp", self.tp, model_config.expert_hidden, "expert hidden units"),
                                            ("pp", self.pp, model_config.layers, "layers"),
                                            ("cp", 2 * self.cp, seq, "sequence (zig-zag: 2·cp chunks)")):
             if divides % value:
@@ -78,9 +80,9 @@ class MeshLayout:
                                            ("ep", self.ep, model_config.experts or 1, "experts")):
             if divides % value:
                 raise InvalidValue(name, value, f"a divisor of the {divides} {what}")
-        if model_config.experts and self.tp > 1:
-            raise InvalidValue("tp", self.tp, "1 for an MoE model (this composition runs experts with DP × EP, "
-                                              "CP and PP, not TP)")
+        if model_config.experts and self.tp > 1 and self.ep > 1:
+            raise InvalidValue("ep", self.ep, "1 for an MoE model under tp > 1 (TP splits every expert; experts "
+                                              "split over EP as well are not built yet)")
         if microbatches < self.pp:
             raise InvalidValue("microbatches", microbatches, f">= pp={self.pp} to fill the pipeline")
 

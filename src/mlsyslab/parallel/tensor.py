@@ -11,7 +11,8 @@ activations between blocks are split along the sequence instead of replicated: f
 all-gather along the sequence (reduce-scatter backward) and g a reduce-scatter (all-gather
 backward) — the same bytes, but norms and residuals run on 1/t of the tokens. The embedding is split
 by vocabulary rows, and the loss is computed without gathering the logits (vocab-parallel
-cross-entropy: max, sum of exponentials and target logit are each one all-reduce).
+cross-entropy: max, sum of exponentials and target logit are each one all-reduce). An MoE MLP is
+split expert by expert behind the same f and g (`TensorParallelExperts`).
 Twin: predict.training (4 collectives of s·b·h per layer, 6 with recompute). Held against the
 single-process model in tests/parallel/test_tensor.py.
 """
@@ -25,6 +26,7 @@ from mlsyslab.comm.launch import Rank
 from mlsyslab.comm.log import CommLog, nbytes, traced
 from mlsyslab.comm.torch_ops import all_gather_single, reduce_scatter_single
 from mlsyslab.errors import InvalidValue
+from mlsyslab.nn.moe import MixtureOfExperts, combine
 
 
 class TensorGroup:
@@ -133,6 +135,63 @@ class _GateUp(nn.Module):
         return self.gate(x), self.up(x)
 
 
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; the gradient times `factor` backward."""
+
+    @staticmethod
+    def forward(ctx, x, factor: float):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+class _SumGradient(torch.autograd.Function):
+    """Identity forward; the gradient summed over the TP group backward, counted as "all_reduce_routing"."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TensorGroup):
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        traced(ctx.tp.log, "all_reduce_routing", nbytes(grad), ctx.tp.size, dist.all_reduce, grad, group=ctx.tp.group)
+        return grad, None
+
+
+class TensorParallelExperts(nn.Module):
+    """An MoE MLP (nn.moe) split like the dense one: every expert's gate and up by columns, its down
+    projection by rows, the router replicated (Megatron-Core's expert tensor parallelism, ETP = TP).
+    Every rank routes the same tokens the same way, so the experts' partial outputs are combined first
+    and summed once (f and g around the layer: the dense MLP's 2 collectives of s·b·h). Two gradients
+    need care: a routing weight's is <output gradient, expert output>, of which each rank holds a
+    partial sum, so the kept slots' weights have their gradient summed over TP (4 bytes a slot,
+    "all_reduce_routing"); the router's input gradient is then whole on every rank, so it enters the
+    all-reduce of f at 1/t. The balancing loss, the same on every rank, needs neither."""
+
+    def __init__(self, layer, tp: TensorGroup, sequence_parallel: bool):
+        super().__init__()
+        self.layer, self.tp, self.sp = layer, tp, sequence_parallel
+        for expert in layer.experts:
+            for name, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
+                linear = getattr(expert, name)
+                linear.weight = nn.Parameter(linear.weight.detach().chunk(tp.size, dim=dim)[tp.index].clone())
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        x = _Enter.apply(x, self.tp, self.sp)
+        tokens = x.reshape(-1, x.shape[-1])
+        routing = self.layer.route(_ScaleGradient.apply(tokens, 1 / self.tp.size))
+        self.layer.last_routing = routing
+        routing.weight = _SumGradient.apply(routing.weight, self.tp)
+        partial = combine(tokens, routing, self.layer.run_experts(tokens, routing)).reshape(x.shape)
+        out = _Leave.apply(partial, self.tp, self.sp)
+        return out if residual is None else residual + out
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rank r holds rows [r·V/t, (r+1)·V/t); each rank looks up its own ids, zeros elsewhere, then sum."""
 
@@ -196,7 +255,7 @@ def parallelize_llama(model, tp: TensorGroup, sequence_parallel: bool = False):
     same full weights) and return it; `model(ids)` then yields this rank's vocabulary slice of logits."""
     config, t = model.config, tp.size
     for field, value in (("heads", config.heads), ("kv_heads", config.kv_heads), ("ffn_hidden", config.ffn_hidden),
-                         ("vocab", config.vocab)):
+                         ("expert_ffn_hidden", config.expert_ffn_hidden or config.ffn_hidden), ("vocab", config.vocab)):
         if value % t:
             raise InvalidValue("tp", t, f"a divisor of {field}={value}")
     for layer in model.layers:
@@ -205,6 +264,9 @@ def parallelize_llama(model, tp: TensorGroup, sequence_parallel: bool = False):
         attention.o_proj = RowParallelLinear(attention.o_proj, tp, sequence_parallel)
         attention.heads, attention.kv_heads = attention.heads // t, attention.kv_heads // t
         del attention.q_proj, attention.k_proj, attention.v_proj
+        if isinstance(mlp, MixtureOfExperts):
+            layer.mlp = TensorParallelExperts(mlp, tp, sequence_parallel)
+            continue
         mlp.fused_gate_up = _GateUp(mlp, tp, sequence_parallel)
         mlp.down_proj = RowParallelLinear(mlp.down_proj, tp, sequence_parallel)
         del mlp.gate_proj, mlp.up_proj

@@ -100,9 +100,14 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     tp_count = (4 + 2 * full) * layers
     tp_time = tp_count * coll.hierarchical_all_reduce_s(act_bytes, t, tp_local, **link)
     tp_bytes = tp_count * coll.ring_all_reduce_bytes_per_rank(act_bytes, t)
+    # An MoE layer under TP also sums its routing weights' gradient (fp32, one per routed copy) in backward
+    # (parallel.tensor.TensorParallelExperts); copies dropped over capacity send nothing.
+    top_k = 0 if model.moe is None else model.moe.experts_per_token
+    routing_weight_bytes = tokens * top_k * 4
+    tp_time = tp_time + layers * moe_share * coll.hierarchical_all_reduce_s(routing_weight_bytes, t, tp_local, **link)
+    tp_bytes = tp_bytes + layers * moe_share * coll.ring_all_reduce_bytes_per_rank(routing_weight_bytes, t)
 
     # Expert parallel: dispatch + combine of top-k token copies, per MoE layer, fwd and bwd.
-    top_k = 0 if model.moe is None else model.moe.experts_per_token
     a2a_bytes = tokens * top_k * model.hidden * width
     ep_local = np.clip(hw.scale_up_domain / (t * c), 1, None)
     ep_count = (4 + 2 * full) * layers * moe_share

@@ -13,10 +13,11 @@ With --tp / --pp / --cp > 1 the same loop runs `parallel.mesh.composed_step` on 
 and, under PP, the bubble of the executed timeline, for `verify.training.compare_mesh_training`;
 `--strategy zero1` shards the optimizer state along DP, and zero2 / zero3 also the gradients / weights
 (with --tp, --dp and --cp). An MoE model (a catalog spec with `moe`, e.g. from --model-spec) always
-takes the mesh trainer, which adds its load-balancing loss; --ep splits its experts over the DP ranks.
+takes the mesh trainer, which adds its load-balancing loss; --ep splits its experts over the DP ranks,
+--tp splits every expert (not both yet).
 Under --cp every ZeRO stage shards over the DP and CP ranks together (they hold the same weights).
 Not done yet: ZeRO-2/3 with PP (they reduce inside each backward, before the pipeline's tied-embedding
-sum), ZeRO for MoE models with --ep > 1, MoE with TP, bf16, offload and checkpoints
+sum), ZeRO for MoE models with --ep > 1, MoE with both TP and EP, bf16, offload and checkpoints
 inside the mesh — each is rejected before launch.
 """
 
