@@ -5,7 +5,7 @@ interpreter and dispatch around the small ones cost more than the operations the
 here (SmolLM2-135M, 2 cores): the batch-1 fp32 step spent 21.7 ms in matmuls and 8.4 ms in
 everything else, most of it Python. `FusedDecode` runs the same kernels in the same order as the
 serving copy's Python layers (`nn.packed_linear.packed_for_inference`, with `nn.cpu_kernels`), the loop
-over layers in C++; embedding and rope tables stay in Python, once a step. The kernel each weight
+over layers in C++; the embedding and the rope tables' rows stay in Python, once a step. The kernel each weight
 takes (oneDNN on the prepacked weight, ATen on the plain weight, or the streamed kernel on its tiled
 one) is the one `PackedLinear.kernel` picks for the step's rows, so the logits are bit-equal to the
 Python path's (tests/nn/test_fused_decode.py). Two C++ steps:
@@ -55,7 +55,11 @@ class FusedDecode:
         self.linears: list[PackedLinear] = [linear for layer in model.layers for linear in (
             layer.self_attn.fused_qkv, layer.self_attn.o_proj, layer.mlp.fused_gate_up, layer.mlp.down_proj)]
         self.out_features = [linear.out_features for linear in self.linears]
-        self.inverse_frequencies = rope_inverse_frequencies(model.config)
+        # the rope tables of every position, once (as `rope_cos_sin` computes them each step: elementwise,
+        # so a row here is bit-equal to that step's), [max_seq, head_dim] in the model's dtype
+        dtype = model.embed_tokens.weight.dtype
+        self.cos, self.sin = (table[:, 0] for table in rope_cos_sin(
+            rope_inverse_frequencies(model.config), torch.arange(model.config.max_seq), dtype))
         self.plans: dict[int, StepPlan] = {}
 
     @staticmethod
@@ -74,9 +78,8 @@ class FusedDecode:
             raise ValueError("FusedDecode runs steps of decodes only, with the in-place paged kernel")
         model = self.model
         hidden = model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(self.inverse_frequencies, positions, hidden.dtype)
+        cos, sin = self.cos[positions], self.sin[positions]
         plan = self.plan(len(input_ids))
-        cos, sin = cos.reshape(len(input_ids), -1), sin.reshape(len(input_ids), -1)
         config, ops = model.config, cpu_kernels.load()
         if plan.streamed:
             return ops.streamed_decode(
