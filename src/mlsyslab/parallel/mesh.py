@@ -22,9 +22,11 @@ DP2 × CP2 on 4, an MoE model on DP4 with EP2, on DP2 with EP2, on CP2, on DP2 (
 and on DP2 (EP2) × PP2).
 `mlsys train --tp/--pp/--cp/--dp/--ep` runs it (train.trainer.train_on_mesh); given `logs` (a CommLog
 per dimension), every byte each dimension sends is counted there. Under PP each stage adds its MoE
-layers' balancing loss itself (parallel/pipeline.py). Not done: MoE models with TP (an MoE model runs
-DP × EP, CP and PP); ZeRO-2/3 with PP (ZeRO-1 runs with any layout of a dense model, ZeRO-2/3 with TP,
-DP and CP; under CP every ZeRO stage shards over DP × CP).
+layers' balancing loss itself (parallel/pipeline.py); under TP every expert is split
+(parallel.tensor.TensorParallelExperts). ZeRO-1 runs with any layout of a dense model, ZeRO-2 with all
+but EP (under PP the tied embedding's gradient is summed slice by slice: `sharded_gradient`), ZeRO-3
+with TP, DP and CP; under CP every ZeRO stage shards over DP × CP. Not done: MoE with TP and EP
+together, ZeRO-3 with PP.
 """
 
 from dataclasses import dataclass, replace
@@ -124,7 +126,7 @@ def _rank_in(rank: Rank, group, local: int | None = None) -> Rank:
 
 def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
                   pipeline: PipelineRank | None = None, logs: dict | None = None,
-                  reduce_data_parallel: bool = True) -> float:
+                  reduce_data_parallel: bool = True, sharded_gradient=None) -> float:
     """Forward and backward of this rank's share of a global batch; returns the global mean loss.
 
     `inputs`/`targets` are the global batch [B, s]; DP takes rows, CP takes zig-zag columns, PP splits
@@ -133,6 +135,9 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
     (`MeshRanks.dcp`, as Megatron's distributed optimizer), and each CP rank's gradients are those of
     cp × its share of the loss, so that the mean over DP × CP is the DP mean of the CP sums. An MoE
     model's loss includes `AUX_LOSS_WEIGHT` times its load-balancing loss (over each rank's own tokens).
+    `sharded_gradient(parameter)`, under PP with ZeRO-2 (whose backward leaves only this rank's slice of
+    each gradient, `ZeroDataParallel.shard_gradient`): the tied embedding's gradient is summed over the
+    pipeline slice by slice.
     """
     layout, logs = mesh.layout, logs or {}
     rows = inputs.chunk(layout.dp)[mesh.dp.rank], targets.chunk(layout.dp)[mesh.dp.rank]
@@ -141,7 +146,7 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
         loss = torch.tensor(0.0 if loss is None else loss, dtype=torch.float64)
         dist.all_reduce(loss, group=mesh.pp.group)  # only the last stage had it
         if model.config.tied_embeddings:
-            _sum_tied_embedding_gradient(model, mesh.pp, logs.get("pipeline_p2p"))
+            _sum_tied_embedding_gradient(model, mesh.pp, logs.get("pipeline_p2p"), sharded_gradient)
     elif layout.cp > 1:
         everyone = zigzag_layout(inputs.shape[1], layout.cp)
         positions = everyone[mesh.cp.rank]
@@ -210,11 +215,16 @@ def _all_reduce_gradients(parameters, rank: Rank, divisor: int, log: CommLog | N
                 parameter.grad /= divisor
 
 
-def _sum_tied_embedding_gradient(model: Llama, pp: Rank, log: CommLog | None) -> None:
+def _sum_tied_embedding_gradient(model: Llama, pp: Rank, log: CommLog | None, sharded_gradient=None) -> None:
     """Tied embeddings under PP: the first stage's embedding and the last stage's head are one matrix
     held twice, so their gradients are summed over the pipeline group (Megatron's embedding group;
-    stages in between add zeros) and both copies take the same step."""
+    stages in between add zeros) and both copies take the same step. Under ZeRO-2 each rank sums its
+    slice (the same slice on both stages: the matrix has a ZeRO bucket of its own), 1/N of the bytes."""
     weight = model.embed_tokens.weight
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
-    traced(log, "all_reduce", nbytes(weight.grad), pp.world_size, dist.all_reduce, weight.grad, group=pp.group)
+    if sharded_gradient is not None:
+        gradient = sharded_gradient(weight)
+    else:
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        gradient = weight.grad
+    traced(log, "all_reduce", nbytes(gradient), pp.world_size, dist.all_reduce, gradient, group=pp.group)

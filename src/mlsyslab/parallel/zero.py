@@ -38,7 +38,10 @@ class ZeroDataParallel(nn.Module):
     """Wrap `module` for ZeRO stage 1, 2 or 3; call `step()` and `zero_grad()` instead of an optimizer's."""
 
     def __init__(self, module: nn.Module, rank: Rank, stage: int, optimizer_factory, mixed_precision: bool = False,
-                 offload: bool = False, bucket_bytes: int = 25_000_000, log: CommLog | None = None, units=None):
+                 offload: bool = False, bucket_bytes: int = 25_000_000, log: CommLog | None = None, units=None,
+                 alone: tuple = ()):
+        """`alone` (stages 1, 2): parameters that get a bucket of their own, so that their shard is the same
+        slice of them on every rank that holds them (a pipeline's tied embedding: `shard_gradient`)."""
         super().__init__()
         if stage not in (1, 2, 3):
             raise InvalidValue("stage", stage, "1, 2 or 3 (stage 0 is plain data parallelism: parallel.ddp)")
@@ -57,7 +60,10 @@ class ZeroDataParallel(nn.Module):
             slices = self.partition.shards
         else:
             params = [p for p in module.parameters() if p.requires_grad]
-            self.buckets = [_FlatBucket(b, rank, self.compute_dtype, stage) for b in bucket_parameters(params[::-1], bucket_bytes)]
+            single = {id(p) for p in alone}
+            groups = [[p] for p in params[::-1] if id(p) in single]
+            groups += bucket_parameters([p for p in params[::-1] if id(p) not in single], bucket_bytes)
+            self.buckets = [_FlatBucket(b, rank, self.compute_dtype, stage) for b in groups]
             slices = [b.slice for b in self.buckets]
             self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
             for p in params:
@@ -127,6 +133,22 @@ class ZeroDataParallel(nn.Module):
         optimizer = (list(self.masters) if self._separate_masters else []) + state
         return {"weights": weights, "gradients": gradients,
                 "optimizer": [] if self.offload else optimizer, "host_offload": optimizer if self.offload else []}
+
+    def shard_gradient(self, parameter: torch.Tensor) -> torch.Tensor:
+        """Stages 1 and 2: this rank's slice of the reduced gradient of `parameter`, which must have a
+        bucket of its own (`alone`); zeros of that size where this rank does not hold it. Summing it over
+        another group, in place, sums the parameter's gradient (a pipeline's tied embedding)."""
+        if self.stage == 3:
+            raise InvalidValue("stage", 3, "1 or 2 (ZeRO-3 units are not looked up by parameter)")
+        bucket = self._bucket_of.get(id(parameter))
+        if bucket is not None and (len(bucket.params) != 1 or bucket.params[0] is not parameter):
+            raise InvalidValue("parameter", tuple(parameter.shape), "one with a bucket of its own (alone=)")
+        if bucket is not None and bucket.slice_grad is not None:
+            return bucket.slice_grad
+        gradient = torch.zeros(-(-parameter.numel() // self.rank.world_size), dtype=torch.float32, device=self.rank.device)
+        if bucket is not None:
+            bucket.slice_grad = gradient
+        return gradient
 
     @property
     def padded_numel(self) -> int:

@@ -12,13 +12,13 @@ With --tp / --pp / --cp > 1 the same loop runs `parallel.mesh.composed_step` on 
 (DP × PP × CP × TP, with EP inside DP; `train_on_mesh`) and measures the bytes each dimension sends
 and, under PP, the bubble of the executed timeline, for `verify.training.compare_mesh_training`;
 `--strategy zero1` shards the optimizer state along DP, and zero2 / zero3 also the gradients / weights
-(with --tp, --dp and --cp). An MoE model (a catalog spec with `moe`, e.g. from --model-spec) always
+(zero2 with --tp, --pp, --dp and --cp; zero3 with all but --pp). An MoE model (a catalog spec with `moe`, e.g. from --model-spec) always
 takes the mesh trainer, which adds its load-balancing loss; --ep splits its experts over the DP ranks,
 --tp splits every expert (not both yet).
 Under --cp every ZeRO stage shards over the DP and CP ranks together (they hold the same weights).
-Not done yet: ZeRO-2/3 with PP (they reduce inside each backward, before the pipeline's tied-embedding
-sum), ZeRO for MoE models with --ep > 1, MoE with both TP and EP, bf16, offload and checkpoints
-inside the mesh — each is rejected before launch.
+Under --pp, ZeRO-2 sums the tied embedding's gradient over the pipeline slice by slice (it has a
+bucket of its own on both stages). Not done yet: ZeRO-3 with PP, ZeRO for MoE models with --ep > 1,
+MoE with both TP and EP, bf16, offload and checkpoints inside the mesh — each is rejected before launch.
 """
 
 import statistics
@@ -135,10 +135,10 @@ class TrainConfig:
         if self.model.get("moe") and self.strategy != "ddp" and self.ep > 1:
             raise InvalidValue("strategy", self.strategy, "ddp for an MoE model with ep > 1 (ZeRO would treat the "
                                                           "experts each EP rank holds as replicated: not built yet)")
-        if self.strategy in ("zero2", "zero3") and self.pp > 1:
-            raise InvalidValue("strategy", self.strategy, "ddp or zero1 when pp > 1 (ZeRO-2/3 reduce inside every "
-                                                          "backward, before the pipeline's tied-embedding sum: not built "
-                                                          "yet); zero2/zero3 run with --tp, --dp and --cp")
+        if self.strategy == "zero3" and self.pp > 1:
+            raise InvalidValue("strategy", self.strategy, "ddp, zero1 or zero2 when pp > 1 (ZeRO-3's gathers around "
+                                                          "interleaved microbatches: not built yet); zero3 runs with "
+                                                          "--tp, --dp and --cp")
         for name in ("bf16", "offload", "resume"):
             if getattr(self, name):
                 raise InvalidValue(name, True, "off when tp, pp, cp or ep > 1 or the model is MoE "
@@ -261,8 +261,9 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
     adamw = lambda params: torch.optim.AdamW(params, lr=config.lr, weight_decay=0.1, foreach=False)  # noqa: E731
     zero = None
     if config.strategy != "ddp":  # ZeRO along DP (× CP: those ranks hold the same weights), on this rank's TP shards
+        tied = (model.embed_tokens.weight,) if pipeline is not None and model.config.tied_embeddings else ()
         zero = ZeroDataParallel(module, mesh.dcp, config.zero_stage, adamw, bucket_bytes=config.bucket_bytes,
-                                log=logs["data_parallel"])
+                                log=logs["data_parallel"], alone=tied)
         logs["data_parallel"].reset()  # its start-up broadcast is not a step's traffic
     optimizer = adamw(held) if zero is None else None  # under ZeRO the wrapper owns the optimizer
     data = TokenBatches(tokens, config.seq, config.global_batch, config.seed)
@@ -279,7 +280,8 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
         else:  # ZeRO-1 accumulates over the pipeline's backwards and reduces once; 2 and 3 reduce in the backward
             with zero.no_sync() if zero.stage == 1 else nullcontext():
                 loss = composed_step(model, mesh, inputs, targets, config.microbatches, pipeline, logs,
-                                     reduce_data_parallel=False)
+                                     reduce_data_parallel=False,
+                                     sharded_gradient=zero.shard_gradient if zero.stage == 2 else None)
             if zero.stage == 1:
                 zero.reduce_gradients()
             zero.step()
