@@ -135,32 +135,17 @@ class _GateUp(nn.Module):
         return self.gate(x), self.up(x)
 
 
-class _ScaleGradient(torch.autograd.Function):
-    """Identity forward; the gradient times `factor` backward."""
+class _OnGradient(torch.autograd.Function):
+    """Identity forward; `transform(gradient)` backward."""
 
     @staticmethod
-    def forward(ctx, x, factor: float):
-        ctx.factor = factor
+    def forward(ctx, x, transform):
+        ctx.transform = transform
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * ctx.factor, None
-
-
-class _SumGradient(torch.autograd.Function):
-    """Identity forward; the gradient summed over the TP group backward, counted as "all_reduce_routing"."""
-
-    @staticmethod
-    def forward(ctx, x, tp: TensorGroup):
-        ctx.tp = tp
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        traced(ctx.tp.log, "all_reduce_routing", nbytes(grad), ctx.tp.size, dist.all_reduce, grad, group=ctx.tp.group)
-        return grad, None
+        return ctx.transform(grad), None
 
 
 class TensorParallelExperts(nn.Module):
@@ -184,12 +169,18 @@ class TensorParallelExperts(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         x = _Enter.apply(x, self.tp, self.sp)
         tokens = x.reshape(-1, x.shape[-1])
-        routing = self.layer.route(_ScaleGradient.apply(tokens, 1 / self.tp.size))
+        routing = self.layer.route(_OnGradient.apply(tokens, lambda gradient: gradient / self.tp.size))
         self.layer.last_routing = routing
-        routing.weight = _SumGradient.apply(routing.weight, self.tp)
+        routing.weight = _OnGradient.apply(routing.weight, self._sum_over_tp)
         partial = combine(tokens, routing, self.layer.run_experts(tokens, routing)).reshape(x.shape)
         out = _Leave.apply(partial, self.tp, self.sp)
         return out if residual is None else residual + out
+
+    def _sum_over_tp(self, gradient: torch.Tensor) -> torch.Tensor:
+        gradient = gradient.contiguous()
+        tp = self.tp
+        traced(tp.log, "all_reduce_routing", nbytes(gradient), tp.size, dist.all_reduce, gradient, group=tp.group)
+        return gradient
 
 
 class VocabParallelEmbedding(nn.Module):
