@@ -216,7 +216,7 @@ def test_zero_for_an_moe_model_equals_its_ddp_run(tmp_path):
     assert refused.returncode == 2 and "strategy" in refused.stderr and "ep > 1" in refused.stderr
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+@pytest.mark.parametrize("strategy", [pytest.param("zero1", marks=pytest.mark.slow), "zero2"])  # CI time: zero2 is the new path
 def test_zero_with_pipeline_parallelism(tiny, single_process_losses, strategy):
     """DP2 × PP2 (tied embeddings across the stages) with ZeRO-1 and -2: one process's losses. ZeRO-2
     reduce-scatters every microbatch's gradients inside the pipeline's backwards, so the tied embedding
@@ -231,7 +231,7 @@ def test_zero_with_pipeline_parallelism(tiny, single_process_losses, strategy):
     assert wire["data_parallel"]["measured"] == pytest.approx(wire["data_parallel"]["predicted"], rel=1e-4)
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("strategy", [pytest.param("zero1", marks=pytest.mark.slow), "zero2", "zero3"])  # CI time
 @pytest.mark.parametrize("other", ["--tp", "--cp"])
 def test_zero_along_data_parallel_inside_the_mesh(tiny, single_process_losses, strategy, other):
     """DP2 × TP2 and DP2 × CP2 on 4 ranks with ZeRO: one process's losses, and the bytes predict states
