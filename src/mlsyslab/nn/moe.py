@@ -61,13 +61,14 @@ class MixtureOfExperts(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         routing = self.route(tokens)
         self.last_routing = routing
-        out = combine(tokens, routing, self.run_experts(tokens, routing)).reshape(shape)
+        out = combine(tokens, routing, run_experts(self.experts, tokens[routing.token], routing.expert)).reshape(shape)
         return out if residual is None else residual + out
 
-    def run_experts(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Each kept slot's expert output [slots, hidden], in routing order."""
-        counts = torch.bincount(routing.expert, minlength=self.experts_count).tolist()
-        return torch.cat([expert(chunk) for expert, chunk in zip(self.experts, tokens[routing.token].split(counts))])
+
+def run_experts(experts: nn.ModuleList, rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    """Each row's output from its expert: `rows` sorted by `expert_ids` (ascending indices into `experts`)."""
+    counts = torch.bincount(expert_ids, minlength=len(experts)).tolist()
+    return torch.cat([expert(chunk) for expert, chunk in zip(experts, rows.split(counts))])
 
 
 AUX_LOSS_WEIGHT = 0.01  # α of the Switch Transformer (Fedus et al. 2021, §2.2), added to the language-model loss

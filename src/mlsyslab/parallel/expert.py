@@ -20,7 +20,7 @@ import torch.distributed as dist
 from mlsyslab.comm.launch import Rank
 from mlsyslab.comm.log import CommLog
 from mlsyslab.errors import InvalidValue
-from mlsyslab.nn.moe import MixtureOfExperts, combine
+from mlsyslab.nn.moe import MixtureOfExperts, combine, run_experts
 
 
 class ExpertParallel(torch.nn.Module):
@@ -53,8 +53,7 @@ class ExpertParallel(torch.nn.Module):
         _routing_exchange(expert_ids, routing.expert, receive, send, self.rank, self.log)
         arrived = _AllToAll.apply(tokens[routing.token], receive, send, self.rank, self.log)
         order = torch.argsort(expert_ids, stable=True)
-        counts = torch.bincount(expert_ids - self.first, minlength=self.local).tolist()
-        computed = torch.cat([expert(chunk) for expert, chunk in zip(self.layer.experts, arrived[order].split(counts))])
+        computed = run_experts(self.layer.experts, arrived[order], expert_ids[order] - self.first)
         outputs = torch.empty_like(computed).index_copy(0, order, computed)
         returned = _AllToAll.apply(outputs, send, receive, self.rank, self.log)
         out = combine(tokens, routing, returned).reshape(shape)

@@ -26,7 +26,7 @@ from mlsyslab.comm.launch import Rank
 from mlsyslab.comm.log import CommLog, nbytes, traced
 from mlsyslab.comm.torch_ops import all_gather_single, reduce_scatter_single
 from mlsyslab.errors import InvalidValue
-from mlsyslab.nn.moe import MixtureOfExperts, combine
+from mlsyslab.nn.moe import MixtureOfExperts, combine, run_experts
 
 
 class TensorGroup:
@@ -36,9 +36,10 @@ class TensorGroup:
         self.rank, self.log = rank, log
         self.size, self.index, self.group = rank.world_size, rank.rank, rank.group
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, op: str = "all_reduce") -> torch.Tensor:
+        """Sum over the group, logged as `op`."""
         x = x.contiguous()
-        traced(self.log, "all_reduce", nbytes(x), self.size, dist.all_reduce, x, group=self.group)
+        traced(self.log, op, nbytes(x), self.size, dist.all_reduce, x, group=self.group)
         return x
 
     def all_gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
@@ -171,16 +172,12 @@ class TensorParallelExperts(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])
         routing = self.layer.route(_OnGradient.apply(tokens, lambda gradient: gradient / self.tp.size))
         self.layer.last_routing = routing
-        routing.weight = _OnGradient.apply(routing.weight, self._sum_over_tp)
-        partial = combine(tokens, routing, self.layer.run_experts(tokens, routing)).reshape(x.shape)
+        routing.weight = _OnGradient.apply(routing.weight,
+                                           lambda gradient: self.tp.all_reduce(gradient, "all_reduce_routing"))
+        partial = combine(tokens, routing, run_experts(self.layer.experts, tokens[routing.token], routing.expert))
+        partial = partial.reshape(x.shape)
         out = _Leave.apply(partial, self.tp, self.sp)
         return out if residual is None else residual + out
-
-    def _sum_over_tp(self, gradient: torch.Tensor) -> torch.Tensor:
-        gradient = gradient.contiguous()
-        tp = self.tp
-        traced(tp.log, "all_reduce_routing", nbytes(gradient), tp.size, dist.all_reduce, gradient, group=tp.group)
-        return gradient
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -145,7 +145,8 @@ class ZeroDataParallel(nn.Module):
             raise InvalidValue("parameter", tuple(parameter.shape), "one with a bucket of its own (alone=)")
         if bucket is not None and bucket.slice_grad is not None:
             return bucket.slice_grad
-        gradient = torch.zeros(-(-parameter.numel() // self.rank.world_size), dtype=torch.float32, device=self.rank.device)
+        gradient = torch.zeros(-(-parameter.numel() // self.rank.world_size), dtype=torch.float32,
+                               device=self.rank.device)
         if bucket is not None:
             bucket.slice_grad = gradient
         return gradient

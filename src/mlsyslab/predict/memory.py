@@ -2,8 +2,9 @@
 
 Model states, mixed-precision Adam (Rajbhandari et al., SC'20, K = 12): weights 2Ψ, gradients 2Ψ,
 optimizer 12Ψ (fp32 master, m, v). ZeRO-1 shards the optimizer over the data-parallel group N (with
-context parallelism, DP × CP: Megatron's distributed optimizer; parallel/mesh.py), ZeRO-2 also gradients, ZeRO-3 also weights: 16Ψ → 4Ψ+12Ψ/N → 2Ψ+14Ψ/N → 16Ψ/N. Plain SGD keeps
-only the fp32 master (K = 4); fp32 training keeps no master copy (Adam K = 8, SGD K = 0).
+context parallelism, DP × CP: Megatron's distributed optimizer; parallel/mesh.py), ZeRO-2 also
+gradients, ZeRO-3 also weights: 16Ψ → 4Ψ+12Ψ/N → 2Ψ+14Ψ/N → 16Ψ/N. Plain SGD keeps only the fp32
+master (K = 4); fp32 training keeps no master copy (Adam K = 8, SGD K = 0).
 ZeRO-Offload moves the optimizer to the host: an fp32 master (even for fp32 training, since the
 device keeps its own weights) plus the fp32 state, 12Ψ/N for Adam.
 Ψ is what one rank holds after tensor, pipeline and expert sharding (the worst pipeline stage).

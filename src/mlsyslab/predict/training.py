@@ -117,7 +117,8 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     routing_count = (1 + full) * layers * moe_share
     ep_time = ep_time + routing_count * sum(coll.hierarchical_shard_s(size, e, np.minimum(e, ep_local), **link)
                                             for size in (tokens * top_k * 8, e * 8))
-    ep_bytes = ep_bytes + routing_count * sum(coll.ring_shard_bytes_per_rank(size, e) for size in (tokens * top_k * 8, e * 8))
+    ep_bytes = ep_bytes + routing_count * sum(coll.ring_shard_bytes_per_rank(size, e)
+                                              for size in (tokens * top_k * 8, e * 8))
 
     # Context parallel: K/V blocks circulate the ring.
     kv_width = 2 * model.num_kv_heads * model.attention_head_dim if model.mla is None else d_qk + d_v

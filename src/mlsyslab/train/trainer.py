@@ -12,9 +12,9 @@ With --tp / --pp / --cp > 1 the same loop runs `parallel.mesh.composed_step` on 
 (DP × PP × CP × TP, with EP inside DP; `train_on_mesh`) and measures the bytes each dimension sends
 and, under PP, the bubble of the executed timeline, for `verify.training.compare_mesh_training`;
 `--strategy zero1` shards the optimizer state along DP, and zero2 / zero3 also the gradients / weights
-(zero2 with --tp, --pp, --dp and --cp; zero3 with all but --pp). An MoE model (a catalog spec with `moe`, e.g. from --model-spec) always
-takes the mesh trainer, which adds its load-balancing loss; --ep splits its experts over the DP ranks,
---tp splits every expert (not both yet).
+(zero2 with --tp, --pp, --dp and --cp; zero3 with all but --pp). An MoE model (a catalog spec with
+`moe`, e.g. from --model-spec) always takes the mesh trainer, which adds its load-balancing loss; --ep
+splits its experts over the DP ranks, --tp splits every expert (not both yet).
 Under --cp every ZeRO stage shards over the DP and CP ranks together (they hold the same weights).
 Under --pp, ZeRO-2 sums the tied embedding's gradient over the pipeline slice by slice (it has a
 bucket of its own on both stages). Not done yet: ZeRO-3 with PP, ZeRO for MoE models with --ep > 1,
