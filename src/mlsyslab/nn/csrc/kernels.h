@@ -32,6 +32,8 @@ struct PagedDecode {
   int64_t items() const { return sequences * kv_heads; }
 };
 template <typename T> void paged_decode_items(const PagedDecode<T>& problem, int64_t begin, int64_t end);
+// Ask for items [begin, end)'s cached K/V blocks, in walk order, up to max_bytes.
+template <typename T> void prefetch_items(const PagedDecode<T>& problem, int64_t begin, int64_t end, int64_t max_bytes);
 void check_paged_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t heads, const at::Tensor& tables,
                        const at::Tensor& lengths, int64_t sequences);
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,

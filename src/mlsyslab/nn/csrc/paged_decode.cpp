@@ -165,6 +165,22 @@ void paged_decode_items(const PagedDecode<T>& problem, int64_t begin, int64_t en
   auto kernel = problem.head_dim == 32 ? decode<T, 32> : problem.head_dim == 64 ? decode<T, 64> : decode<T, 128>;
   kernel(problem, begin, end);
 }
+template <typename T>
+void prefetch_items(const PagedDecode<T>& problem, int64_t begin, int64_t end, int64_t max_bytes) {
+  const int64_t block_elements = problem.block_size * problem.head_dim;
+  int64_t asked = 0;
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t s = item / problem.kv_heads, h = item % problem.kv_heads;
+    const int64_t blocks = (problem.lengths[s] + problem.block_size - 1) / problem.block_size;
+    for (int64_t b = 0; b < blocks && asked < max_bytes; ++b, asked += 2 * block_elements * int64_t(sizeof(T))) {
+      const int64_t at = (h * problem.num_blocks + problem.tables[s * problem.width + b]) * block_elements;
+      prefetch(problem.k_cache + at, block_elements);
+      prefetch(problem.v_cache + at, block_elements);
+    }
+  }
+}
+template void prefetch_items(const PagedDecode<float>&, int64_t, int64_t, int64_t);
+template void prefetch_items(const PagedDecode<c10::BFloat16>&, int64_t, int64_t, int64_t);
 template void paged_decode_items(const PagedDecode<float>&, int64_t, int64_t);
 template void paged_decode_items(const PagedDecode<c10::BFloat16>&, int64_t, int64_t);
 
