@@ -20,8 +20,11 @@ CONFIG = LlamaConfig(vocab=96, hidden=64, layers=3, heads=4, kv_heads=2, head_di
 
 
 def serving_model(dtype) -> Llama:
-    model = Llama(CONFIG).initialize(0.1, torch.Generator().manual_seed(0)).to(dtype).eval()
-    return packed_for_inference(model)
+    return packed_for_inference(plain_model(dtype))
+
+
+def plain_model(dtype) -> Llama:
+    return Llama(CONFIG).initialize(0.1, torch.Generator().manual_seed(0)).to(dtype).eval()
 
 
 def decode_case(dtype, context_lens, block_size=16, num_blocks=32):
@@ -65,11 +68,39 @@ def test_fused_decode_equals_the_python_layers_and_writes_the_same_cache(dtype, 
         before = k_cache.clone(), v_cache.clone()
         expected = model.forward_packed(ids, positions, PagedAttention(k_ref, v_ref, slices), rows)
         expected_picked = model.forward_packed(ids, positions, PagedAttention(*before, slices), some_rows)
-        got = fused(ids, positions, PagedAttention(k_cache, v_cache, slices), rows)
-        picked = fused(ids, positions, PagedAttention(*(t.clone() for t in before), slices), some_rows)
+        got, argmax = fused(ids, positions, PagedAttention(k_cache, v_cache, slices), rows)
+        picked, picked_argmax = fused(ids, positions, PagedAttention(*(t.clone() for t in before), slices), some_rows)
     assert torch.equal(got, expected)
+    if fused.plan(len(context_lens)).streamed:  # the step's own greedy tokens: torch's first largest logit
+        assert torch.equal(argmax, expected.max(dim=-1).indices)
+        assert torch.equal(picked_argmax, expected_picked.max(dim=-1).indices)
+    else:
+        assert argmax is None and picked_argmax is None
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
     assert torch.equal(picked, expected_picked)
+
+
+def test_the_streamed_steps_greedy_token_is_the_first_of_equal_largest_logits(monkeypatch):
+    """Two threads note the largest logit of their own columns; a tie across them goes to the first column,
+    as torch's max(dim).indices (and HF's argmax) break it."""
+    monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: False)
+    k_cache, v_cache, slices, ids, positions = decode_case(torch.bfloat16, [30])
+
+    def step(model):
+        with torch.inference_mode():
+            return FusedDecode(packed_for_inference(model))(ids, positions, PagedAttention(k_cache.clone(), v_cache.clone(),
+                                                                                         slices), torch.arange(1))
+
+    model = plain_model(torch.bfloat16)
+    logits, argmax = step(model)
+    largest = int(argmax)
+    assert logits[0, largest] > 0
+    tied = [token for token in (5, CONFIG.vocab - 3) if token not in ids.tolist() + [largest]]  # one in each half
+    with torch.no_grad():  # the tied lm_head's rows of two tokens: twice the largest logit's row
+        model.embed_tokens.weight[tied] = 2 * model.embed_tokens.weight[largest]
+    logits, argmax = step(model)
+    assert logits[0, tied[0]] == logits[0, tied[1]] == logits[0].max()
+    assert argmax.tolist() == [tied[0]] == logits.max(dim=-1).indices.tolist()
 
 
 def test_streamed_decode_refuses_inputs_that_do_not_fit(monkeypatch):
@@ -79,6 +110,10 @@ def test_streamed_decode_refuses_inputs_that_do_not_fit(monkeypatch):
     k_cache, v_cache, slices, ids, positions = decode_case(torch.float32, [20, 3])
     with pytest.raises(RuntimeError, match=r"logit_rows\[0\] = 2: not a row of hidden \(0..1\)"):
         fused(ids, positions, PagedAttention(k_cache, v_cache, slices), torch.tensor([2]))
+    with pytest.raises(RuntimeError, match=r"input_ids\[1\] = 96: not a token of the embedding \(0..95\)"):
+        fused(torch.tensor([0, 96]), positions, PagedAttention(k_cache, v_cache, slices), torch.arange(2))
+    with pytest.raises(RuntimeError, match=r"positions\[0\] = 256: outside the rope tables' 256 positions"):
+        fused(ids, torch.tensor([256, 2]), PagedAttention(k_cache, v_cache, slices), torch.arange(2))
     plan = fused.plan(2)
     plan.weights[5] = plan.weights[4]  # layer 1's o_proj given its q|k|v tiles
     with pytest.raises(RuntimeError, match="tiles: out_features 64 does not fit tiles of 32 groups"):

@@ -5,14 +5,13 @@ interpreter and dispatch around the small ones cost more than the operations the
 here (SmolLM2-135M, 2 cores): the batch-1 fp32 step spent 21.7 ms in matmuls and 8.4 ms in
 everything else, most of it Python. `FusedDecode` runs the same kernels in the same order as the
 serving copy's Python layers (`nn.packed_linear.packed_for_inference`, with `nn.cpu_kernels`), the loop
-over layers in C++; the embedding and the rope tables' rows stay in Python, once a step. The kernel each weight
-takes (oneDNN on the prepacked weight, ATen on the plain weight, or the streamed kernel on its tiled
-one) is the one `PackedLinear.kernel` picks for the step's rows, so the logits are bit-equal to the
+over layers in C++. The kernel each weight takes (oneDNN on the prepacked weight, ATen on the plain
+weight, or the streamed kernel on its tiled one) is the one `PackedLinear.kernel` picks for the step's rows, so the logits are bit-equal to the
 Python path's (tests/nn/test_fused_decode.py). Two C++ steps:
 - where every matrix of the step takes the streamed kernel (steps under `STREAMED_BELOW` rows on CPUs
-  where oneDNN cannot pack bf16), `streamed_decode` runs the layers, the final norm and the logits in one
-  parallel region, the threads meeting at barriers (on Zen 3, bf16 batch 1: ~1 ms a step less than the
-  per-op loop: 121 fork/joins and ~600 tensor allocations gone);
+  where oneDNN cannot pack bf16), `streamed_decode` runs the embedding lookup, the layers, the final norm,
+  the logits and each row's argmax in one parallel region, the threads meeting at barriers (on Zen 3, bf16
+  batch 1: ~1 ms a step less than the per-op loop: 121 fork/joins and ~600 tensor allocations gone);
 - otherwise `decode_layers` calls each kernel as an ATen op, and the final norm and logits run here.
 
 It applies to steps that only decode (one new token per sequence) with the paged kernel reading the
@@ -72,25 +71,26 @@ class FusedDecode:
                 and cpu_kernels.serves_attention(weight.device, weight.dtype, model.config.head_dim))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: PagedAttention,
-                 logits_rows: torch.Tensor) -> torch.Tensor:
-        """`Llama.forward_packed` for a step of decodes only; `attention` has written nothing yet."""
+                 logits_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`Llama.forward_packed` for a step of decodes only; `attention` has written nothing yet. Returns the
+        logits, and each row's greedy token (first largest logit) where the step computed it (the streamed step
+        notes it while the logits are in cache), else None."""
         if attention.prefills or not attention.in_place:
             raise ValueError("FusedDecode runs steps of decodes only, with the in-place paged kernel")
         model = self.model
-        hidden = model.embed_tokens(input_ids)
-        cos, sin = self.cos[positions], self.sin[positions]
         plan = self.plan(len(input_ids))
         config, ops = model.config, cpu_kernels.load()
-        if plan.streamed:
+        if plan.streamed:  # the embedding and rope rows are looked up in the step too
             return ops.streamed_decode(
-                hidden, cos, sin, self.norms, plan.weights, model.norm.weight, plan.head_weight, config.vocab,
-                attention.k_cache, attention.v_cache, attention.slot_mapping, attention.decode_tables,
-                attention.decode_lengths, logits_rows, config.heads, config.ffn_hidden, config.rms_norm_eps)
+                model.embed_tokens.weight, input_ids, positions, self.cos, self.sin, self.norms, plan.weights,
+                model.norm.weight, plan.head_weight, config.vocab, attention.k_cache, attention.v_cache,
+                attention.slot_mapping, attention.decode_tables, attention.decode_lengths, logits_rows, config.heads,
+                config.ffn_hidden, config.rms_norm_eps)
         hidden = ops.decode_layers(
-            hidden, cos, sin, self.norms, plan.weights, plan.kernels, self.out_features, attention.k_cache,
-            attention.v_cache, attention.slot_mapping, attention.decode_tables, attention.decode_lengths, config.heads,
-            config.rms_norm_eps)
-        return model.lm_head(model.norm(hidden[logits_rows]))
+            model.embed_tokens(input_ids), self.cos[positions], self.sin[positions], self.norms, plan.weights,
+            plan.kernels, self.out_features, attention.k_cache, attention.v_cache, attention.slot_mapping,
+            attention.decode_tables, attention.decode_lengths, config.heads, config.rms_norm_eps)
+        return model.lm_head(model.norm(hidden[logits_rows])), None
 
     def plan(self, rows: int) -> StepPlan:
         """The kernels and weights of a step of `rows` tokens (computed once per row count)."""

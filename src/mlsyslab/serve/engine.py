@@ -169,14 +169,15 @@ class Engine:
         attention = PagedAttention(self.kv.k, self.kv.v, slices)
         model = self.wide_model if self.wide_model is not None and len(ids) >= self.wide_from else self.model
         fused = model is self.model and self.fused_decode is not None and not attention.prefills and attention.in_place
-        forward = self.fused_decode if fused else model.forward_packed
-        logits = forward(torch.tensor(ids, device=device), torch.tensor(positions, device=device), attention,
-                       torch.tensor(rows, dtype=torch.long, device=device))
+        inputs = (torch.tensor(ids, device=device), torch.tensor(positions, device=device), attention,
+                  torch.tensor(rows, dtype=torch.long, device=device))
+        logits, argmax = self.fused_decode(*inputs) if fused else (model.forward_packed(*inputs), None)
         self.steps += 1
         self.decode_tokens += sum(1 for item in batch if item.num_tokens == 1)
         self.prefill_tokens += sum(item.num_tokens for item in batch if item.num_tokens > 1)
         self.scheduler.after_step(batch)
-        drawn = sample(logits, [SamplerInput(r.params, r.prompt_ids, r.output_ids, r.generator) for r in sampling])
+        drawn = sample(logits, [SamplerInput(r.params, r.prompt_ids, r.output_ids, r.generator) for r in sampling],
+                       argmax)
         now = time.perf_counter()
         deltas, finished = [], []
         for request, sampled in zip(sampling, drawn):

@@ -15,7 +15,10 @@
 //   x = rms_norm(h); gates = x·Wguᵀ                                                     | barrier
 //   act = silu(gate)·up           columns shared out                                    | barrier
 //   h = h + act·Wdᵀ               output groups                                         | barrier
-// and after the last layer logits = rms_norm(h[rows])·Wheadᵀ. Every number is computed by the same
+// and after the last layer logits = rms_norm(h[rows])·Wheadᵀ, each thread noting the largest logit of its
+// columns (the step's greedy tokens, merged after the region: no second pass over the logits, no
+// ATen op after the step). The embedding rows and the rope rows of the step's positions are copied in
+// here too. Every number is computed by the same
 // compiled functions, on the same row layouts, as the per-op path (the range functions of kernels.h),
 // so the logits and the cache are bit-equal to decode_layers' and to the Python layers'
 // (tests/nn/test_fused_decode.py). A thread keeps the same share of each matrix every step.
@@ -29,6 +32,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <tuple>
 #include <vector>
 
 #include "kernels.h"
@@ -57,8 +62,9 @@ template <typename T>
 struct Step {
   int64_t layers, tokens, hidden, heads, kv_heads, head_dim, ffn, vocab, slots_per_head;
   float eps;
-  const T* cos;  // [tokens, head_dim]
+  const T* cos;  // [positions, head_dim]: a token's rope row is its position's
   const T* sin;
+  const int64_t* positions;  // [tokens]
   std::vector<const T*> norms;  // 2 per layer
   std::vector<const T*> tiles;  // 4 per layer (q|k|v, o, gate|up, down), then the lm_head's
   std::vector<int64_t> chunks;  // of each matrix's tiles
@@ -78,6 +84,9 @@ struct Step {
   T* logits;
   float* query;
   float* attended_fp32;
+  // per thread and logits row: the largest logit of the thread's columns and its first column
+  float* best_logit;   // [threads, logit_rows]
+  int64_t* best_column;  // [threads, logit_rows], -1 where the thread had no columns
 };
 
 // y [rows, out] (+)= x [rows, in] · Wᵀ, W the step's matrix `matrix`, for thread t's share of its output groups.
@@ -106,8 +115,8 @@ void rope_and_cache(const Step<T>& s, int64_t layer, int64_t item, float* rotate
   T* row = s.qkv + token * (s.heads + 2 * s.kv_heads) * d;
   T* k = row + (s.heads + kv_head) * d;
   const T* v = row + (s.heads + s.kv_heads + kv_head) * d;
-  const T* cos = s.cos + token * d;
-  const T* sin = s.sin + token * d;
+  const T* cos = s.cos + s.positions[token] * d;
+  const T* sin = s.sin + s.positions[token] * d;
   rope_head(k, cos, sin, d, rotated);
   const int64_t slot = ((layer * s.kv_heads + kv_head) * s.slots_per_head + s.slots[token]) * d;
   std::memcpy(s.k_cache + slot, k, d * sizeof(T));
@@ -168,6 +177,30 @@ void run(const Step<T>& s, int64_t max_threads) {
     for (int64_t l = 0; l < s.layers; ++l) layer(s, l, normed.data(), rotated.data(), t, threads);
     norm_rows(s, s.final_norm, normed.data(), s.logit_rows, s.rows);
     product(s, 4 * s.layers, normed.data(), s.logit_rows, s.hidden, s.vocab, s.logits, t, threads);
+    const Share groups((s.vocab + 7) / 8, t, threads);  // the columns `product` gave this thread
+    const int64_t begin = groups.begin * 8, end = std::min(groups.end * 8, s.vocab);
+    for (int64_t r = 0; r < s.logit_rows; ++r) {
+      const T* row = s.logits + r * s.vocab;
+      float best = -std::numeric_limits<float>::max();
+      int64_t column = -1;
+      for (int64_t c = begin; c < end; ++c)
+        if (column < 0 || widen(row[c]) > best) best = widen(row[c]), column = c;
+      s.best_logit[t * s.logit_rows + r] = best;
+      s.best_column[t * s.logit_rows + r] = column;
+    }
+  }
+}
+
+// Each row's first largest logit (as torch's max(dim).indices, for finite logits), from the threads' notes: the
+// threads' columns are in thread order, so a later thread's equal logit loses.
+void merge_greedy(const float* best_logit, const int64_t* best_column, int64_t threads, int64_t rows, int64_t* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    out[r] = -1;
+    float best = 0.f;
+    for (int64_t t = 0; t < threads; ++t) {
+      const int64_t column = best_column[t * rows + r];
+      if (column >= 0 && (out[r] < 0 || best_logit[t * rows + r] > best)) best = best_logit[t * rows + r], out[r] = column;
+    }
   }
 }
 
@@ -175,21 +208,35 @@ void run(const Step<T>& s, int64_t max_threads) {
 
 namespace mlsyslab {
 
-// hidden [tokens, hidden] after the embedding -> logits [rows, vocab] of the rows `logit_rows` names.
-// norms: 2 per layer; tiles: 4 per layer (qkv, o, gate|up, down), from stream_pack; caches
+// input_ids, positions [tokens] -> (logits [rows, vocab] of the rows `logit_rows` names, each row's greedy token).
+// embedding [vocab, hidden]; cos, sin: the rope rows of every position [positions, head_dim]; norms: 2 per
+// layer; tiles: 4 per layer (qkv, o, gate|up, down), from stream_pack; caches
 // [layers, kv_heads, num_blocks, block_size, head_dim]; one new token per sequence.
-at::Tensor streamed_decode(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
+std::tuple<at::Tensor, at::Tensor> streamed_decode(
+                           const at::Tensor& embedding, const at::Tensor& input_ids, const at::Tensor& positions,
+                           const at::Tensor& cos, const at::Tensor& sin,
                            at::TensorList norms, at::TensorList tiles, const at::Tensor& final_norm,
                            const at::Tensor& head_tiles, int64_t vocab, at::Tensor k_cache, at::Tensor v_cache,
                            const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lengths,
                            const at::Tensor& logit_rows, int64_t heads, int64_t ffn, double eps) {
-  check_float_or_bf16(hidden_in, "hidden");
-  const auto dtype = hidden_in.scalar_type();
-  TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.is_contiguous(), "hidden: contiguous [tokens, hidden]");
-  const int64_t tokens = hidden_in.size(0), hidden = hidden_in.size(1);
+  check_float_or_bf16(embedding, "embedding");
+  const auto dtype = embedding.scalar_type();
+  TORCH_CHECK(embedding.dim() == 2 && embedding.is_contiguous(), "embedding: contiguous [vocab, hidden]");
+  const int64_t hidden = embedding.size(1);
+  TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() &&
+              positions.sizes() == input_ids.sizes() && positions.scalar_type() == at::kLong &&
+              positions.is_contiguous(), "input_ids, positions: contiguous int64 [tokens]");
+  const int64_t tokens = input_ids.size(0);
+  for (int64_t i = 0; i < tokens; ++i) {
+    const int64_t id = input_ids.data_ptr<int64_t>()[i], position = positions.data_ptr<int64_t>()[i];
+    TORCH_CHECK(id >= 0 && id < embedding.size(0), "input_ids[", i, "] = ", id, ": not a token of the embedding (0..",
+                embedding.size(0) - 1, ")");
+    TORCH_CHECK(position >= 0 && position < cos.size(0), "positions[", i, "] = ", position, ": outside the rope tables' ",
+                cos.size(0), " positions");
+  }
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
               v_cache.is_contiguous() && k_cache.scalar_type() == dtype,
-              "k_cache, v_cache: [layers, kv_heads, num_blocks, block_size, head_dim] in hidden's dtype");
+              "k_cache, v_cache: [layers, kv_heads, num_blocks, block_size, head_dim] in the embedding's dtype");
   const int64_t layers = k_cache.size(0), kv_heads = k_cache.size(1), head_dim = k_cache.size(4);
   check_paged_cache(k_cache[0], v_cache[0], heads, tables, lengths, tokens);
   check_slots(slots, tokens, k_cache.size(2) * k_cache.size(3));
@@ -197,22 +244,22 @@ at::Tensor streamed_decode(const at::Tensor& hidden_in, const at::Tensor& cos, c
               "norms: 2 per layer, tiles: 4 per layer, for ", layers, " layers");
   for (const at::Tensor& norm : norms) {
     TORCH_CHECK(norm.dim() == 1 && norm.size(0) == hidden && norm.is_contiguous() && norm.scalar_type() == dtype,
-                "norms: contiguous [hidden] in hidden's dtype");
+                "norms: contiguous [hidden] in the embedding's dtype");
   }
   TORCH_CHECK(final_norm.dim() == 1 && final_norm.size(0) == hidden && final_norm.is_contiguous() &&
-              final_norm.scalar_type() == dtype, "final_norm: contiguous [hidden] in hidden's dtype");
+              final_norm.scalar_type() == dtype, "final_norm: contiguous [hidden] in the embedding's dtype");
   for (const at::Tensor& table : {cos, sin}) {
-    TORCH_CHECK(table.dim() == 2 && table.size(0) == tokens && table.size(1) == head_dim && table.is_contiguous() &&
-                table.scalar_type() == dtype, "cos, sin: contiguous [tokens, head_dim] in hidden's dtype");
+    TORCH_CHECK(table.dim() == 2 && table.sizes() == cos.sizes() && table.size(1) == head_dim && table.is_contiguous() &&
+                table.scalar_type() == dtype, "cos, sin: contiguous [positions, head_dim] in the embedding's dtype");
   }
   const int64_t shapes[4][2] = {{(heads + 2 * kv_heads) * head_dim, hidden}, {hidden, heads * head_dim},
                                 {2 * ffn, hidden}, {hidden, ffn}};
   for (int64_t i = 0; i < 4 * layers; ++i) {
     check_tiles(tiles[i], shapes[i % 4][0], shapes[i % 4][1], "tiles");
-    TORCH_CHECK(tiles[i].scalar_type() == dtype, "tiles: in hidden's dtype");
+    TORCH_CHECK(tiles[i].scalar_type() == dtype, "tiles: in the embedding's dtype");
   }
   check_tiles(head_tiles, vocab, hidden, "head_tiles");
-  TORCH_CHECK(head_tiles.scalar_type() == dtype, "head_tiles: in hidden's dtype");
+  TORCH_CHECK(head_tiles.scalar_type() == dtype, "head_tiles: in the embedding's dtype");
   TORCH_CHECK(logit_rows.dim() == 1 && logit_rows.scalar_type() == at::kLong && logit_rows.is_contiguous(),
               "logit_rows: contiguous int64 [rows]");
   for (int64_t i = 0; i < logit_rows.size(0); ++i) {
@@ -220,16 +267,21 @@ at::Tensor streamed_decode(const at::Tensor& hidden_in, const at::Tensor& cos, c
     TORCH_CHECK(row >= 0 && row < tokens, "logit_rows[", i, "] = ", row, ": not a row of hidden (0..", tokens - 1, ")");
   }
 
-  const auto options = hidden_in.options();
-  at::Tensor h = hidden_in.clone(), qkv = at::empty({tokens, shapes[0][0]}, options);
+  const auto options = embedding.options();
+  at::Tensor h = embedding.index_select(0, input_ids), qkv = at::empty({tokens, shapes[0][0]}, options);
   at::Tensor attended = at::empty({tokens, heads * head_dim}, options), gates = at::empty({tokens, 2 * ffn}, options);
   at::Tensor act = at::empty({tokens, ffn}, options), logits = at::empty({logit_rows.size(0), vocab}, options);
   at::Tensor query = at::empty({tokens, heads, head_dim}, options.dtype(at::kFloat));
   at::Tensor attended_fp32 = at::empty_like(query);
+  const int64_t max_threads = at::get_num_threads(), rows = logit_rows.size(0);
+  std::vector<float> best_logit(max_threads * rows);
+  std::vector<int64_t> best_column(max_threads * rows, -1);
+  at::Tensor greedy = at::empty({rows}, logit_rows.options());
   const auto fill = [&](auto tag) {
     using T = decltype(tag);
     Step<T> s{layers, tokens, hidden, heads, kv_heads, head_dim, ffn, vocab, k_cache.size(2) * k_cache.size(3),
-              float(eps), cos.data_ptr<T>(), sin.data_ptr<T>(), {}, {}, {}, final_norm.data_ptr<T>(),
+              float(eps), cos.data_ptr<T>(), sin.data_ptr<T>(), positions.data_ptr<int64_t>(), {}, {}, {},
+              final_norm.data_ptr<T>(),
               k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), slots.data_ptr<int64_t>(),
               logit_rows.data_ptr<int64_t>(), logit_rows.size(0),
               PagedDecode<T>{query.data_ptr<float>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
@@ -237,24 +289,27 @@ at::Tensor streamed_decode(const at::Tensor& hidden_in, const at::Tensor& cos, c
                              tokens, heads, kv_heads, k_cache.size(2), k_cache.size(3), tables.size(1), head_dim,
                              float(1.0 / std::sqrt(double(head_dim)))},
               h.data_ptr<T>(), qkv.data_ptr<T>(), attended.data_ptr<T>(), gates.data_ptr<T>(), act.data_ptr<T>(),
-              logits.data_ptr<T>(), query.data_ptr<float>(), attended_fp32.data_ptr<float>()};
+              logits.data_ptr<T>(), query.data_ptr<float>(), attended_fp32.data_ptr<float>(), best_logit.data(),
+              best_column.data()};
     for (const at::Tensor& norm : norms) s.norms.push_back(norm.data_ptr<T>());
     for (int64_t i = 0; i <= 4 * layers; ++i) {
       const at::Tensor& tile = i < 4 * layers ? tiles[i] : head_tiles;
       s.tiles.push_back(tile.data_ptr<T>());
       s.chunks.push_back(tile.size(1));
     }
-    run(s, at::get_num_threads());
+    run(s, max_threads);
   };
   if (dtype == at::kFloat) fill(float{});
   else fill(c10::BFloat16{});
-  return logits;
+  merge_greedy(best_logit.data(), best_column.data(), max_threads, rows, greedy.data_ptr<int64_t>());
+  return {logits, greedy};
 }
 
 }  // namespace mlsyslab
 
 TORCH_LIBRARY_FRAGMENT(mlsyslab, m) {
-  m.def("streamed_decode(Tensor hidden, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] tiles, Tensor final_norm, "
-        "Tensor head_tiles, int vocab, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor tables, "
-        "Tensor lengths, Tensor logit_rows, int heads, int ffn, float eps) -> Tensor", &mlsyslab::streamed_decode);
+  m.def("streamed_decode(Tensor embedding, Tensor input_ids, Tensor positions, Tensor cos, Tensor sin, Tensor[] norms, "
+        "Tensor[] tiles, Tensor final_norm, Tensor head_tiles, int vocab, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slots, Tensor tables, Tensor lengths, Tensor logit_rows, int heads, int ffn, float eps) -> "
+        "(Tensor, Tensor)", &mlsyslab::streamed_decode);
 }
