@@ -18,22 +18,31 @@ template <typename T> void rms_norm_row(const T* x, const T* weight, T* out, int
 template <typename T> void silu_and_mul_span(const T* gate, const T* up, T* out, int64_t width);
 template <typename T> void rope_head(T* head, const T* cos, const T* sin, int64_t head_dim, float* rotated);
 
-// paged_decode.cpp: decode attention over the paged cache; an item is one (sequence, KV head).
+// paged_decode.cpp: decode attention over the paged cache. An item is one (sequence, KV head); its context is
+// walked as two units, the blocks before the middle block boundary and the rest (which holds the new token),
+// each leaving a partial softmax that `merge_parts` combines.
 template <typename T>
 struct PagedDecode {
-  const float* query;  // [sequences, heads, head_dim]
+  const float* query;  // [sequences, heads, head_dim], the second part's `part_query_offset` floats further
   const T* k_cache;    // [kv_heads, num_blocks, block_size, head_dim], and v_cache
   const T* v_cache;
   const int64_t* tables;   // [sequences, width]
   const int64_t* lengths;  // [sequences]
-  float* out;              // [sequences, heads, head_dim]
+  float* partial;          // [units, heads / kv_heads, head_dim + 2]: a unit's unnormalised sum, maximum and total
   int64_t sequences, heads, kv_heads, num_blocks, block_size, width, head_dim;
   float scale;
+  int64_t part_query_offset;
   int64_t items() const { return sequences * kv_heads; }
+  int64_t units() const { return 2 * items(); }
+  // the first token of the second part: the middle block boundary (0 for a context of one block)
+  int64_t split(int64_t sequence) const { return (lengths[sequence] + block_size - 1) / block_size / 2 * block_size; }
 };
-template <typename T> void paged_decode_items(const PagedDecode<T>& problem, int64_t begin, int64_t end);
-// Ask for items [begin, end)'s cached K/V blocks, in walk order, up to max_bytes.
-template <typename T> void prefetch_items(const PagedDecode<T>& problem, int64_t begin, int64_t end, int64_t max_bytes);
+template <typename T> void paged_decode_units(const PagedDecode<T>& problem, int64_t begin, int64_t end);
+// out [group, head_dim]: the attention of `item`'s `group` query heads, from its two units' partials (one compiled
+// function for every caller, so the numbers do not depend on who merges).
+void merge_parts(const float* partial, int64_t item, int64_t group, int64_t head_dim, float* out);
+// Ask for units [begin, end)'s cached K/V blocks, in walk order, up to max_bytes.
+template <typename T> void prefetch_units(const PagedDecode<T>& problem, int64_t begin, int64_t end, int64_t max_bytes);
 void check_paged_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t heads, const at::Tensor& tables,
                        const at::Tensor& lengths, int64_t sequences);
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -1,8 +1,10 @@
 // Decode attention straight from the paged KV cache: one new query token per sequence, K/V read in
 // place through the block table (vLLM's paged_attention kernel, Kwon et al., SOSP 2023, here for CPU).
 //
-// For each (sequence, KV head) — an item; the items are shared out among threads — the `heads / kv_heads`
-// query heads sharing that KV head (GQA) walk the context once, one vector's worth of tokens at a time
+// For each (sequence, KV head) — an item — the `heads / kv_heads` query heads sharing that KV head (GQA)
+// walk the context once, in two units shared out among threads: the blocks before the middle block boundary,
+// and the rest (FlashDecoding's split of the context, Dao et al. 2023, in two parts: at batch 1 SmolLM2 has
+// 3 items for 2 threads). Each unit walks its part one vector's worth of tokens at a time
 // (kLanes: 16 with AVX-512, 8 with AVX2), with the online softmax (Milakov & Gimelshein 2018;
 // FlashAttention's decode form): the scores q·k/√d of a chunk come out as one vector (its dot products
 // reduced together by a transpose-and-add, not one horizontal sum each), the running maximum and sum
@@ -16,7 +18,9 @@
 // of 9 query / 3 KV heads): 18.5 ms a step with a score buffer and one horizontal sum per token, 10 ms
 // this way with blocks laid out as the engine allocates them, 6.6 ms if the cache fit in the caches —
 // the rest is waiting on memory. On Zen 3 (AVX2), 16-token chunks in 16-float vectors took 22 µs per
-// item of 228 tokens (the compiler split every vector and shuffle in two), 8-token chunks 11 µs.
+// item of 228 tokens (the compiler split every vector and shuffle in two), 8-token chunks 11 µs. The two parts'
+// partial results are merged by `merge_parts`; the split depends on the context length only, so a sequence's
+// numbers do not depend on its batch.
 // Built at first use by `mlsyslab.nn.cpu_kernels`; tested against `nn.paged_attention.decode_attention`.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,6 +34,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -74,6 +79,13 @@ struct Softmax {
   Floats acc[C] = {};
 };
 
+// A unit's first and last token: its part of its sequence's context.
+template <typename T>
+std::pair<int64_t, int64_t> unit_tokens(const PagedDecode<T>& problem, int64_t unit) {
+  const int64_t s = unit / 2 / problem.kv_heads, split = problem.split(s);
+  return unit % 2 ? std::make_pair(split, problem.lengths[s]) : std::make_pair(int64_t(0), split);
+}
+
 template <typename T, int HeadDim>
 void decode(const PagedDecode<T>& problem, int64_t begin, int64_t end) {
   constexpr int C = HeadDim / kLanes;
@@ -84,25 +96,26 @@ void decode(const PagedDecode<T>& problem, int64_t begin, int64_t end) {
   std::vector<Floats> q(group * C);
   std::vector<Softmax<C>> state(group);
   std::vector<Floats> weights(group);  // one chunk's e^(score - maximum), per query head
-  for (int64_t item = begin; item < end; ++item) {
-    const int64_t s = item / problem.kv_heads, h = item % problem.kv_heads, length = problem.lengths[s];
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int64_t item = unit / 2, s = item / problem.kv_heads, h = item % problem.kv_heads;
+    const auto [first, last] = unit_tokens(problem, unit);
     const int64_t* table = problem.tables + s * problem.width;
     const int64_t head_offset = h * problem.num_blocks;  // head h's copy of block b: (h · num_blocks + b)
-    const float* q_row = problem.query + (s * problem.heads + h * group) * HeadDim;
+    const float* q_row = problem.query + (unit % 2) * problem.part_query_offset + (s * problem.heads + h * group) * HeadDim;
     for (int64_t i = 0; i < group * C; ++i) q[i] = load(q_row + i * kLanes) * problem.scale;
     std::fill(state.begin(), state.end(), Softmax<C>{});
-    const int64_t blocks = (length + block_size - 1) / block_size;
+    const int64_t blocks = (last + block_size - 1) / block_size;
     auto prefetch_block = [&](int64_t b) {
       if (b >= blocks) return;
       const int64_t at = (head_offset + table[b]) * block_elements;
       prefetch(k_cache + at, block_elements);
       prefetch(v_cache + at, block_elements);
     };
-    for (int64_t b = 0; b < kPrefetchBlocks - 1; ++b) prefetch_block(b);
-    for (int64_t start = 0; start < length; start += block_size) {
+    for (int64_t b = first / block_size; b < first / block_size + kPrefetchBlocks - 1; ++b) prefetch_block(b);
+    for (int64_t start = first; start < last; start += block_size) {
       const int64_t offset = (head_offset + table[start / block_size]) * block_elements;
       prefetch_block(start / block_size + kPrefetchBlocks - 1);
-      const int64_t in_block = std::min(block_size, length - start);
+      const int64_t in_block = std::min(block_size, last - start);
       for (int64_t chunk = 0; chunk < in_block; chunk += kLanes) {
         const int n = int(std::min<int64_t>(kLanes, in_block - chunk));
         const T* keys = k_cache + offset + chunk * HeadDim;
@@ -135,24 +148,30 @@ void decode(const PagedDecode<T>& problem, int64_t begin, int64_t end) {
             for (int c = 0; c < C; ++c) state[g].acc[c] += weights[g][t] * v[t][c];
       }
     }
-    float* o = problem.out + (s * problem.heads + h * group) * HeadDim;
-    for (int64_t g = 0; g < group; ++g)
-      for (int c = 0; c < C; ++c) {
-        const Floats result = state[g].acc[c] / state[g].total;
-        std::memcpy(o + g * HeadDim + c * kLanes, &result, sizeof result);
-      }
+    float* partial = problem.partial + unit * group * (HeadDim + 2);
+    for (int64_t g = 0; g < group; ++g, partial += HeadDim + 2) {
+      for (int c = 0; c < C; ++c) std::memcpy(partial + c * kLanes, &state[g].acc[c], sizeof(Floats));
+      partial[HeadDim] = state[g].top;
+      partial[HeadDim + 1] = state[g].total;
+    }
   }
 }
 
 template <typename T>
 at::Tensor attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& tables, const at::Tensor& lengths, double scale) {
+  const int64_t sequences = query.size(0), heads = query.size(1), kv_heads = k_cache.size(0), head_dim = query.size(2);
+  const int64_t group = heads / kv_heads;
   auto out = at::empty_like(query);
+  auto partial = at::empty({2 * sequences * kv_heads, group, head_dim + 2}, query.options());
   const PagedDecode<T> problem{query.data_ptr<float>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
-                               tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), out.data_ptr<float>(),
-                               query.size(0), query.size(1), k_cache.size(0), k_cache.size(1), k_cache.size(2),
-                               tables.size(1), query.size(2), static_cast<float>(scale)};
-  at::parallel_for(0, problem.items(), 1, [&](int64_t begin, int64_t end) { paged_decode_items(problem, begin, end); });
+                               tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), partial.data_ptr<float>(),
+                               sequences, heads, kv_heads, k_cache.size(1), k_cache.size(2), tables.size(1), head_dim,
+                               static_cast<float>(scale), 0};
+  at::parallel_for(0, problem.units(), 1, [&](int64_t begin, int64_t end) { paged_decode_units(problem, begin, end); });
+  float* merged = out.data_ptr<float>();  // item (s, h)'s heads are the query's heads h·group.. of sequence s
+  for (int64_t item = 0; item < problem.items(); ++item)
+    merge_parts(problem.partial, item, group, head_dim, merged + item * group * head_dim);
   return out;
 }
 
@@ -161,28 +180,49 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& k_cache, const at::
 namespace mlsyslab {
 
 template <typename T>
-void paged_decode_items(const PagedDecode<T>& problem, int64_t begin, int64_t end) {
+void paged_decode_units(const PagedDecode<T>& problem, int64_t begin, int64_t end) {
   auto kernel = problem.head_dim == 32 ? decode<T, 32> : problem.head_dim == 64 ? decode<T, 64> : decode<T, 128>;
   kernel(problem, begin, end);
 }
+
+// softmax(scores)·V over both parts from each part's (Σ e^(score - max)·v, max, Σ e^(score - max)): rescaled to the
+// larger maximum (Milakov & Gimelshein 2018; FlashDecoding's reduction). A first part of no tokens is skipped. Never
+// inlined: `attend` below and the fused step must run the same instructions to get the same numbers.
+__attribute__((noinline)) void merge_parts(const float* partial, int64_t item, int64_t group, int64_t head_dim, float* out) {
+  const int64_t stride = head_dim + 2;
+  for (int64_t g = 0; g < group; ++g) {
+    const float* first = partial + (2 * item * group + g) * stride;
+    const float* second = partial + ((2 * item + 1) * group + g) * stride;
+    float first_scale = 0.f, second_scale = 1.f;
+    if (first[head_dim + 1] > 0.f) {
+      const float top = std::max(first[head_dim], second[head_dim]);
+      first_scale = std::exp(first[head_dim] - top);
+      second_scale = std::exp(second[head_dim] - top);
+    }
+    const float total = first[head_dim + 1] * first_scale + second[head_dim + 1] * second_scale;
+    for (int64_t i = 0; i < head_dim; ++i) out[g * head_dim + i] = (first[i] * first_scale + second[i] * second_scale) / total;
+  }
+}
+
 template <typename T>
-void prefetch_items(const PagedDecode<T>& problem, int64_t begin, int64_t end, int64_t max_bytes) {
+void prefetch_units(const PagedDecode<T>& problem, int64_t begin, int64_t end, int64_t max_bytes) {
   const int64_t block_elements = problem.block_size * problem.head_dim;
   int64_t asked = 0;
-  for (int64_t item = begin; item < end; ++item) {
-    const int64_t s = item / problem.kv_heads, h = item % problem.kv_heads;
-    const int64_t blocks = (problem.lengths[s] + problem.block_size - 1) / problem.block_size;
-    for (int64_t b = 0; b < blocks && asked < max_bytes; ++b, asked += 2 * block_elements * int64_t(sizeof(T))) {
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int64_t s = unit / 2 / problem.kv_heads, h = unit / 2 % problem.kv_heads;
+    const auto [first, last] = unit_tokens(problem, unit);
+    for (int64_t b = first / problem.block_size; b * problem.block_size < last && asked < max_bytes;
+         ++b, asked += 2 * block_elements * int64_t(sizeof(T))) {
       const int64_t at = (h * problem.num_blocks + problem.tables[s * problem.width + b]) * block_elements;
       prefetch(problem.k_cache + at, block_elements);
       prefetch(problem.v_cache + at, block_elements);
     }
   }
 }
-template void prefetch_items(const PagedDecode<float>&, int64_t, int64_t, int64_t);
-template void prefetch_items(const PagedDecode<c10::BFloat16>&, int64_t, int64_t, int64_t);
-template void paged_decode_items(const PagedDecode<float>&, int64_t, int64_t);
-template void paged_decode_items(const PagedDecode<c10::BFloat16>&, int64_t, int64_t);
+template void prefetch_units(const PagedDecode<float>&, int64_t, int64_t, int64_t);
+template void prefetch_units(const PagedDecode<c10::BFloat16>&, int64_t, int64_t, int64_t);
+template void paged_decode_units(const PagedDecode<float>&, int64_t, int64_t);
+template void paged_decode_units(const PagedDecode<c10::BFloat16>&, int64_t, int64_t);
 
 void check_paged_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t heads, const at::Tensor& tables,
                        const at::Tensor& lengths, int64_t sequences) {

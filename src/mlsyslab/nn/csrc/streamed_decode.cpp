@@ -9,8 +9,10 @@
 // walks the layers together, one barrier per node):
 //   x = rms_norm(h)               every thread, all rows, into its own buffer (a few µs: no barrier)
 //   qkv = x·Wqkvᵀ                 output groups shared out                              | barrier
-//   rope(q, k), k, v -> cache,    (sequence, KV head) items shared out: each item ropes and writes
-//   attention                     its own K/V head before it reads the cache            | barrier
+//   rope(q, k), k, v -> cache,    the two units of each (sequence, KV head) item shared out
+//   attention                     (paged_decode.cpp): the unit that reads the new token ropes and writes
+//                                 its K/V head first; each unit ropes its own copy of the queries | barrier
+//   merge the units' softmaxes    items shared out                                      | barrier
 //   h = h + attended·Woᵀ          output groups (residual added in the kernel)          | barrier
 //   x = rms_norm(h); gates = x·Wguᵀ                                                     | barrier
 //   act = silu(gate)·up           columns shared out                                    | barrier
@@ -106,50 +108,65 @@ void norm_rows(const Step<T>& s, const T* weight, T* normed, int64_t count, cons
     rms_norm_row(s.h + (rows ? rows[i] : i) * s.hidden, weight, normed + i * s.hidden, s.hidden, s.eps);
 }
 
-// Rope the item's K head and query heads in place, write its K and V heads into their cache slot, and
-// widen its query heads for the attention kernel.
+// The item's query heads roped and widened for the attention kernel, at `query`'s offset `part_offset` (each of
+// an item's two units reads its own copy, written by the thread that runs it). Roped from a copy: the qkv row
+// stays as the product left it while the other unit's thread may read it.
 template <typename T>
-void rope_and_cache(const Step<T>& s, int64_t layer, int64_t item, float* rotated) {
+void roped_queries(const Step<T>& s, int64_t item, int64_t part_offset, float* rotated) {
   const int64_t token = item / s.kv_heads, kv_head = item % s.kv_heads, group = s.heads / s.kv_heads;
   const int64_t d = s.head_dim;
-  T* row = s.qkv + token * (s.heads + 2 * s.kv_heads) * d;
-  T* k = row + (s.heads + kv_head) * d;
-  const T* v = row + (s.heads + s.kv_heads + kv_head) * d;
-  const T* cos = s.cos + s.positions[token] * d;
-  const T* sin = s.sin + s.positions[token] * d;
-  rope_head(k, cos, sin, d, rotated);
-  const int64_t slot = ((layer * s.kv_heads + kv_head) * s.slots_per_head + s.slots[token]) * d;
-  std::memcpy(s.k_cache + slot, k, d * sizeof(T));
-  std::memcpy(s.v_cache + slot, v, d * sizeof(T));
+  const T* row = s.qkv + token * (s.heads + 2 * s.kv_heads) * d;
+  T q[128];  // head_dim <= 128 (check_paged_cache)
   for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-    T* q = row + head * d;
-    rope_head(q, cos, sin, d, rotated);
-    float* query = s.query + (token * s.heads + head) * d;
+    std::memcpy(q, row + head * d, d * sizeof(T));
+    rope_head(q, s.cos + s.positions[token] * d, s.sin + s.positions[token] * d, d, rotated);
+    float* query = s.query + part_offset + (token * s.heads + head) * d;
     for (int64_t i = 0; i < d; ++i) query[i] = widen(q[i]);
   }
 }
 
+// Rope the item's K head in place and write its K and V heads into their cache slot (its second unit, which reads
+// the new token, runs on the same thread after this).
+template <typename T>
+void rope_and_cache(const Step<T>& s, int64_t layer, int64_t item, float* rotated) {
+  const int64_t token = item / s.kv_heads, kv_head = item % s.kv_heads, d = s.head_dim;
+  T* row = s.qkv + token * (s.heads + 2 * s.kv_heads) * d;
+  T* k = row + (s.heads + kv_head) * d;
+  const T* v = row + (s.heads + s.kv_heads + kv_head) * d;
+  rope_head(k, s.cos + s.positions[token] * d, s.sin + s.positions[token] * d, d, rotated);
+  const int64_t slot = ((layer * s.kv_heads + kv_head) * s.slots_per_head + s.slots[token]) * d;
+  std::memcpy(s.k_cache + slot, k, d * sizeof(T));
+  std::memcpy(s.v_cache + slot, v, d * sizeof(T));
+}
+
 template <typename T>
 void layer(const Step<T>& s, int64_t l, T* normed, float* rotated, int t, int threads) {
-  const int64_t d = s.head_dim, attention_width = s.heads * d;
+  const int64_t d = s.head_dim, attention_width = s.heads * d, group = s.heads / s.kv_heads;
   PagedDecode<T> attention = s.attention;
   const int64_t layer_elements = s.kv_heads * s.slots_per_head * d;
   attention.k_cache += l * layer_elements;
   attention.v_cache += l * layer_elements;
-  const Share items(attention.items(), t, threads);
-  // The thread's attention items' K/V, asked for now: in flight beside the qkv product's stream, cached by the
-  // time the items read them (rope_and_cache adds only the new token). Measured (bf16, batch 1, ~260 tokens of
-  // context): the thread with two items of the three spent 881 -> 796 µs a step in attention.
-  prefetch_items(attention, items.begin, items.end, kPrefetchContextBytes);
+  // Units, not items, are shared out: at batch 1 the 3 items of SmolLM2 left one of 2 threads idle for a third of
+  // the attention (its 2 items took 811-932 µs a step, the other's 1 item 470); as 6 units each thread walks half.
+  const Share units(attention.units(), t, threads);
+  // The thread's units' K/V, asked for now: in flight beside the qkv product's stream, cached by the time the
+  // units read them (rope_and_cache adds only the new token). Measured (bf16, batch 1, ~260 tokens of context):
+  // the thread with two items of the three spent 881 -> 796 µs a step in attention.
+  prefetch_units(attention, units.begin, units.end, kPrefetchContextBytes);
   norm_rows(s, s.norms[2 * l], normed, s.tokens);
   product(s, 4 * l, normed, s.tokens, s.hidden, attention_width + 2 * s.kv_heads * d, s.qkv, t, threads);
 #pragma omp barrier
-  for (int64_t item = items.begin; item < items.end; ++item) rope_and_cache(s, l, item, rotated);
-  paged_decode_items(attention, items.begin, items.end);
-  const int64_t group = s.heads / s.kv_heads;
+  for (int64_t unit = units.begin; unit < units.end; ++unit) {
+    if (unit % 2) rope_and_cache(s, l, unit / 2, rotated);
+    roped_queries(s, unit / 2, unit % 2 ? attention.part_query_offset : 0, rotated);
+  }
+  paged_decode_units(attention, units.begin, units.end);
+#pragma omp barrier
+  const Share items(attention.items(), t, threads);
   for (int64_t item = items.begin; item < items.end; ++item) {  // rounded as `attended.to(dtype)`
-    const int64_t first = ((item / s.kv_heads) * s.heads + (item % s.kv_heads) * group) * d;
-    for (int64_t i = first; i < first + group * d; ++i) s.attended[i] = narrow<T>(s.attended_fp32[i]);
+    float* merged = s.attended_fp32 + item * group * d;  // item (s, h): heads h·group.. of sequence s
+    merge_parts(attention.partial, item, group, d, merged);
+    for (int64_t i = 0; i < group * d; ++i) s.attended[item * group * d + i] = narrow<T>(merged[i]);
   }
 #pragma omp barrier
   product(s, 4 * l + 1, s.attended, s.tokens, attention_width, s.hidden, s.h, t, threads, s.h);
@@ -271,8 +288,9 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
   at::Tensor h = embedding.index_select(0, input_ids), qkv = at::empty({tokens, shapes[0][0]}, options);
   at::Tensor attended = at::empty({tokens, heads * head_dim}, options), gates = at::empty({tokens, 2 * ffn}, options);
   at::Tensor act = at::empty({tokens, ffn}, options), logits = at::empty({logit_rows.size(0), vocab}, options);
-  at::Tensor query = at::empty({tokens, heads, head_dim}, options.dtype(at::kFloat));
-  at::Tensor attended_fp32 = at::empty_like(query);
+  at::Tensor query = at::empty({2, tokens, heads, head_dim}, options.dtype(at::kFloat));  // per part of the context
+  at::Tensor attended_fp32 = at::empty({tokens, heads, head_dim}, query.options());
+  at::Tensor partial = at::empty({2 * tokens * kv_heads, heads / kv_heads, head_dim + 2}, query.options());
   const int64_t max_threads = at::get_num_threads(), rows = logit_rows.size(0);
   std::vector<float> best_logit(max_threads * rows);
   std::vector<int64_t> best_column(max_threads * rows, -1);
@@ -285,9 +303,9 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
               k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), slots.data_ptr<int64_t>(),
               logit_rows.data_ptr<int64_t>(), logit_rows.size(0),
               PagedDecode<T>{query.data_ptr<float>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
-                             tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), attended_fp32.data_ptr<float>(),
+                             tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), partial.data_ptr<float>(),
                              tokens, heads, kv_heads, k_cache.size(2), k_cache.size(3), tables.size(1), head_dim,
-                             float(1.0 / std::sqrt(double(head_dim)))},
+                             float(1.0 / std::sqrt(double(head_dim))), tokens * heads * head_dim},
               h.data_ptr<T>(), qkv.data_ptr<T>(), attended.data_ptr<T>(), gates.data_ptr<T>(), act.data_ptr<T>(),
               logits.data_ptr<T>(), query.data_ptr<float>(), attended_fp32.data_ptr<float>(), best_logit.data(),
               best_column.data()};
