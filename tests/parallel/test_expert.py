@@ -50,10 +50,10 @@ def _compare(rank):
               "input grad": (mine.grad - everyone[rank.rank].grad).abs().max().item(),
               "router grad": (parallel.layer.router.weight.grad - reference.router.weight.grad).abs().max().item()}
     for local, expert in enumerate(parallel.layer.experts):
-        full = reference.experts[parallel.first + local]
+        full = reference.experts[parallel.dispatch.first + local]
         for (name, a), (_, b) in zip(expert.named_parameters(), full.named_parameters()):
-            errors[f"expert{parallel.first + local}.{name}"] = (a.grad - b.grad).abs().max().item()
-    return errors, log.as_dict(), parallel.layer.last_routing.expert // parallel.local  # owner rank of each copy
+            errors[f"expert{parallel.dispatch.first + local}.{name}"] = (a.grad - b.grad).abs().max().item()
+    return errors, log.as_dict(), parallel.layer.last_routing.expert // parallel.dispatch.local  # owner rank of each copy
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -111,14 +111,16 @@ def test_composed_losses_equal_the_single_process_run(layout, world):
 
 
 @pytest.mark.parametrize("layout", [MeshLayout(dp=4, ep=2), MeshLayout(dp=2, ep=2), MeshLayout(cp=2),
-                                    MeshLayout(dp=2, ep=2, cp=2), MeshLayout(pp=2), MeshLayout(dp=2, ep=2, pp=2)])
+                                    MeshLayout(dp=2, ep=2, cp=2), MeshLayout(pp=2), MeshLayout(dp=2, ep=2, pp=2),
+                                    MeshLayout(dp=2, ep=2, tp=2)])
 def test_expert_parallel_inside_data_parallel_equals_the_single_process_run(layout):
     """An MoE model on DP × EP, on CP alone, on DP2 (EP2) × CP2 (8 ranks: each EP pair exchanges tokens
-    inside one CP index, the expert gradients summed over CP and then over the EDP ranks), and under
-    PP, where each microbatch is routed on its own and each stage adds its layers' balancing loss."""
+    inside one CP index, the expert gradients summed over CP and then over the EDP ranks), under
+    PP, where each microbatch is routed on its own and each stage adds its layers' balancing loss, and on
+    DP2 (EP2) × TP2, each TP rank's slice of the experts exchanged with the EP rank of its TP index."""
     shards = layout.dp * (MICROBATCHES if layout.pp > 1 else 1)
     reference = _moe_single_process(shards, layout.cp)
-    for losses in spawn(_composed, layout.dp * layout.cp * layout.pp, layout, MOE, timeout_s=300):
+    for losses in spawn(_composed, layout.dp * layout.cp * layout.pp * layout.tp, layout, MOE, timeout_s=300):
         assert losses == pytest.approx(reference, rel=1e-9)
 
 
@@ -133,12 +135,13 @@ def test_impossible_layouts_are_rejected(layout, field):
 
 @pytest.mark.parametrize("layout, field, message", [
     (MeshLayout(dp=4, ep=3), "ep", "divisor of the 4 data-parallel"), (MeshLayout(dp=8, ep=8), "ep", "4 experts"),
-    (MeshLayout(dp=2, tp=2, ep=2), "ep", "under tp > 1"), (MeshLayout(dp=2, tp=4), "tp", "KV heads")])
+    (MeshLayout(dp=2, tp=4), "tp", "KV heads")])
 def test_impossible_expert_layouts_are_rejected(layout, field, message):
     with pytest.raises(InvalidValue, match=field) as error:
         layout.validate(MOE, layout.dp * layout.tp * layout.pp, SEQ, MICROBATCHES)
     assert message in str(error.value)
     MeshLayout(dp=2, tp=2).validate(MOE, 4, SEQ, MICROBATCHES)  # TP splits every expert
+    MeshLayout(dp=2, tp=2, ep=2).validate(MOE, 4, SEQ, MICROBATCHES)  # and EP spreads the slices
     with pytest.raises(InvalidValue, match="tp") as error:
         MeshLayout(dp=2, tp=2).validate(dataclasses.replace(MOE, expert_ffn_hidden=33), 4, SEQ, MICROBATCHES)
     assert "33 expert hidden units" in str(error.value)

@@ -107,6 +107,7 @@ def _micro_batch(config, microbatches: int | None) -> int:
 def _print(config, result, comparison) -> None:
     losses = result["losses"]
     how = (f"dp{config.data_parallel}·pp{config.pp}·cp{config.cp}·tp{config.tp}"
+           + (f" (ep{config.ep} inside dp)" if config.ep > 1 else "")
            + (f" {config.schedule}" if config.pp > 1 else "") if config.on_mesh else config.strategy)
     console.print(f"[bold]{config.model['name']}[/] ({result['parameters']:,} parameters on rank 0), {how}"
                   f"{' + offload' if config.offload else ''}{' bf16' if config.bf16 else ''} on {config.nproc} ranks: "

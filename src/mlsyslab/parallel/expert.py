@@ -28,13 +28,8 @@ class ExpertParallel(torch.nn.Module):
 
     def __init__(self, layer: MixtureOfExperts, rank: Rank, log: CommLog | None = None):
         super().__init__()
-        ranks, experts = rank.world_size, layer.experts_count
-        if experts % ranks:
-            raise InvalidValue("ep", ranks, f"a divisor of the {experts} experts")
-        self.rank, self.log, self.layer = rank, log, layer
-        self.local = experts // ranks
-        self.first = rank.rank * self.local
-        layer.experts = torch.nn.ModuleList(layer.experts[self.first: self.first + self.local])
+        self.layer = layer
+        self.dispatch = ExpertDispatch(layer, rank, log)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output for this rank's tokens x [..., hidden], plus `residual` when given."""
@@ -42,6 +37,26 @@ class ExpertParallel(torch.nn.Module):
         tokens = x.reshape(-1, shape[-1])
         routing = self.layer.route(tokens)
         self.layer.last_routing = routing
+        out = combine(tokens, routing, self.dispatch(self.layer.experts, tokens, routing)).reshape(shape)
+        return out if residual is None else residual + out
+
+
+class ExpertDispatch:
+    """The routed copies of a rank's tokens to the ranks of its EP group that hold their experts, through
+    those experts, and back: one output row per copy, in `routing`'s order. Cuts `layer`'s experts to this
+    rank's E/e. Also used by `parallel.tensor.TensorParallelExperts` under TP × EP, where each TP rank
+    exchanges with the ranks of its own TP index, which hold the same slice of their experts."""
+
+    def __init__(self, layer: MixtureOfExperts, rank: Rank, log: CommLog | None = None):
+        ranks, experts = rank.world_size, layer.experts_count
+        if experts % ranks:
+            raise InvalidValue("ep", ranks, f"a divisor of the {experts} experts")
+        self.rank, self.log = rank, log
+        self.local = experts // ranks
+        self.first = rank.rank * self.local
+        layer.experts = torch.nn.ModuleList(layer.experts[self.first: self.first + self.local])
+
+    def __call__(self, experts: torch.nn.ModuleList, tokens: torch.Tensor, routing) -> torch.Tensor:
         ranks = self.rank.world_size
         owner = routing.expert // self.local
         send_counts = torch.bincount(owner, minlength=ranks)
@@ -53,11 +68,9 @@ class ExpertParallel(torch.nn.Module):
         _routing_exchange(expert_ids, routing.expert, receive, send, self.rank, self.log)
         arrived = _AllToAll.apply(tokens[routing.token], receive, send, self.rank, self.log)
         order = torch.argsort(expert_ids, stable=True)
-        computed = run_experts(self.layer.experts, arrived[order], expert_ids[order] - self.first)
+        computed = run_experts(experts, arrived[order], expert_ids[order] - self.first)
         outputs = torch.empty_like(computed).index_copy(0, order, computed)
-        returned = _AllToAll.apply(outputs, send, receive, self.rank, self.log)
-        out = combine(tokens, routing, returned).reshape(shape)
-        return out if residual is None else residual + out
+        return _AllToAll.apply(outputs, send, receive, self.rank, self.log)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -18,15 +18,16 @@ Under CP an MoE layer routes each rank's share of the sequence on its own (exper
 load-balancing loss over those tokens, as under DP), and an expert's gradient is summed over the CP
 ranks, which hold the same experts.
 Held against the single-process model in tests/parallel/test_mesh.py (DP2 × PP2 × TP2 on 8 ranks,
-DP2 × CP2 on 4, an MoE model on DP4 with EP2, on DP2 with EP2, on CP2, on DP2 (EP2) × CP2, on PP2
-and on DP2 (EP2) × PP2).
+DP2 × CP2 on 4, an MoE model on DP4 with EP2, on DP2 with EP2, on CP2, on DP2 (EP2) × CP2, on PP2,
+on DP2 (EP2) × PP2 and on DP2 (EP2) × TP2).
 `mlsys train --tp/--pp/--cp/--dp/--ep` runs it (train.trainer.train_on_mesh); given `logs` (a CommLog
 per dimension), every byte each dimension sends is counted there. Under PP each stage adds its MoE
 layers' balancing loss itself (parallel/pipeline.py); under TP every expert is split
-(parallel.tensor.TensorParallelExperts). ZeRO-1 runs with any layout of a dense model, ZeRO-2 with all
-but EP (under PP the tied embedding's gradient is summed slice by slice: `sharded_gradient`), ZeRO-3
-with TP, DP and CP; under CP every ZeRO stage shards over DP × CP. Not done: MoE with TP and EP
-together, ZeRO-3 with PP.
+(parallel.tensor.TensorParallelExperts), and under TP × EP each TP slice of the experts is spread over
+the EP ranks of its TP index (parallel.expert.ExpertDispatch). ZeRO-1 runs with any layout of a dense
+model, ZeRO-2 with all but EP (under PP the tied embedding's gradient is summed slice by slice:
+`sharded_gradient`), ZeRO-3 with TP, DP and CP; under CP every ZeRO stage shards over DP × CP. Not done:
+ZeRO with EP, ZeRO-3 with PP.
 """
 
 from dataclasses import dataclass, replace
@@ -43,10 +44,11 @@ from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama
 from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, MixtureOfExperts, load_balancing_loss
 from mlsyslab.parallel.context import ring_attention, zigzag_layout
-from mlsyslab.parallel.expert import ExpertParallel
+from mlsyslab.parallel.expert import ExpertDispatch, ExpertParallel
 from mlsyslab.parallel.pipeline import PipelineRank, mean_cross_entropy
 from mlsyslab.parallel.schedules import build
-from mlsyslab.parallel.tensor import TensorGroup, parallelize_llama, vocab_parallel_cross_entropy
+from mlsyslab.parallel.tensor import (TensorGroup, TensorParallelExperts, parallelize_llama,
+                                      vocab_parallel_cross_entropy)
 
 DIMENSIONS = ("pp", "dp", "cp", "tp")
 
@@ -82,9 +84,6 @@ class MeshLayout:
                                            ("ep", self.ep, model_config.experts or 1, "experts")):
             if divides % value:
                 raise InvalidValue(name, value, f"a divisor of the {divides} {what}")
-        if model_config.experts and self.tp > 1 and self.ep > 1:
-            raise InvalidValue("ep", self.ep, "1 for an MoE model under tp > 1 (TP splits every expert; experts "
-                                              "split over EP as well are not built yet)")
         if microbatches < self.pp:
             raise InvalidValue("microbatches", microbatches, f">= pp={self.pp} to fill the pipeline")
 
@@ -175,8 +174,8 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
         loss.backward()
         loss = loss.detach()
     if reduce_data_parallel:
-        experts = {id(p) for module in model.modules() if isinstance(module, ExpertParallel)
-                   for p in module.layer.experts.parameters()}
+        experts = {id(p) for module in model.modules() if isinstance(module, MixtureOfExperts)
+                   for p in module.experts.parameters()}
         _all_reduce_gradients([p for p in model.parameters() if id(p) not in experts], mesh.dp, divisor=layout.dp,
                               log=logs.get("data_parallel"))
         _all_reduce_gradients([p for p in model.parameters() if id(p) in experts], mesh.edp, divisor=layout.dp,
@@ -196,6 +195,8 @@ def prepare(model: Llama, mesh: MeshRanks, microbatches: int, schedule: str = "1
         for layer in model.layers:
             if isinstance(layer.mlp, MixtureOfExperts):
                 layer.mlp = ExpertParallel(layer.mlp, mesh.ep, logs.get("expert_parallel"))
+            elif isinstance(layer.mlp, TensorParallelExperts):  # TP × EP: each TP slice of the experts over EP
+                layer.mlp.dispatch = ExpertDispatch(layer.mlp.layer, mesh.ep, logs.get("expert_parallel"))
     if layout.pp == 1:
         return model, None
     loss = (lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp)) if layout.tp > 1 else None

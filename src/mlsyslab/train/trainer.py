@@ -14,11 +14,12 @@ and, under PP, the bubble of the executed timeline, for `verify.training.compare
 `--strategy zero1` shards the optimizer state along DP, and zero2 / zero3 also the gradients / weights
 (zero2 with --tp, --pp, --dp and --cp; zero3 with all but --pp). An MoE model (a catalog spec with
 `moe`, e.g. from --model-spec) always takes the mesh trainer, which adds its load-balancing loss; --ep
-splits its experts over the DP ranks, --tp splits every expert (not both yet).
+splits its experts over the DP ranks, --tp splits every expert (and with both, each TP slice of the
+experts is spread over EP).
 Under --cp every ZeRO stage shards over the DP and CP ranks together (they hold the same weights).
 Under --pp, ZeRO-2 sums the tied embedding's gradient over the pipeline slice by slice (it has a
 bucket of its own on both stages). Not done yet: ZeRO-3 with PP, ZeRO for MoE models with --ep > 1,
-MoE with both TP and EP, bf16, offload and checkpoints inside the mesh — each is rejected before launch.
+bf16, offload and checkpoints inside the mesh — each is rejected before launch.
 """
 
 import statistics
