@@ -23,7 +23,7 @@ In this process, no HTTP, all cores, static batch of equal-length prompts: ours 
 and HF transformers `generate`, batch 1 and 16, fp32 and bf16.
 Decode roofline at batch 1: weight bytes / this machine's read bandwidth (a sum over 512 MB, best
 of 5) — one pass over the weights per token. The bandwidth is measured at the start and again just
-before each of our batch-1 loads (the server idle), and the higher of the two taken: this machine's
+before each of our batch-1 loads (the server idle; in process too), and the higher of the two taken: this machine's
 bandwidth drifts between 23 and 37 GB/s over minutes, and a low reading flatters the fraction (102%
 at 08:50 UTC on 2026-11-24, from a start-up reading of 23.4 GB/s). A missing peer venv is skipped with the command that
 creates it. Every row records the CPU share other processes took: while it ran (in process), or in
@@ -127,7 +127,8 @@ def main() -> None:
     if not args.skip_in_process:
         for dtype in args.dtypes:
             for batch in (1, 16):
-                out["rows"].append(ours_in_process(dtype, batch, args))
+                roofline = (twins[dtype]["weight_bytes"], out["read_bandwidth_bytes_per_s"]) if batch == 1 else None
+                out["rows"].append(ours_in_process(dtype, batch, args, roofline))
                 out["rows"].append(hf_generate(dtype, batch, args))
     save(out, args.output, print_table)
 
@@ -211,21 +212,29 @@ def twin_of(dtype: str, args) -> dict:
     return {"weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()), "tpot_s": tpot}
 
 
-def ours_in_process(dtype: str, batch: int, args) -> dict:
-    """Our engine in this process on HF's terms: `batch` prompts at once, greedy, EOS off, all cores."""
+def ours_in_process(dtype: str, batch: int, args, roofline: tuple[float, float] | None = None) -> dict:
+    """Our engine in this process on HF's terms: `batch` prompts at once, greedy, EOS off, all cores. Given
+    `roofline` (weight bytes, a read bandwidth), also the decode's fraction of it, the bandwidth measured
+    again just before (the higher reading kept), as for the batch-1 HTTP loads: the engine without a
+    client and an API server on its cores."""
     torch.set_num_threads(os.cpu_count() or 1)
     model, tokenizer, _ = load_pretrained("default", dtype)
     prompts = [ids for ids, _ in Workload(requests=batch, prompt_tokens=args.prompt_tokens, seed=batch).prompts()]
     llm = LLM(model, tokenizer, config=EngineConfig(max_batched_tokens=4096))
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    bandwidth = max(roofline[1], read_bandwidth()) if roofline else None
     others = OtherProcesses()
     start = time.perf_counter()
     outputs = llm.generate(prompts, SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True))
     elapsed = time.perf_counter() - start
     tpot = max(o.latency_s - o.ttft_s for o in outputs) / (args.output_tokens - 1)
-    return {"system": f"ours {dtype}", "where": "in process", "concurrency": batch,
-            "output_tokens_per_s": batch * args.output_tokens / elapsed, "tpot_p50_s": tpot,
-            "other_processes_cpu_share": others.share()}
+    row = {"system": f"ours {dtype}", "where": "in process", "concurrency": batch,
+           "output_tokens_per_s": batch * args.output_tokens / elapsed, "tpot_p50_s": tpot,
+           "other_processes_cpu_share": others.share()}
+    if roofline:
+        row["decode_roofline_fraction"] = roofline[0] / bandwidth / tpot
+        row["read_bandwidth_bytes_per_s"] = bandwidth
+    return row
 
 
 def hf_generate(dtype: str, batch: int, args) -> dict:
