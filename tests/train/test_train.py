@@ -165,6 +165,7 @@ def test_expert_parallel_training_equals_data_parallel_and_sends_the_routed_toke
     assert wire["predicted"] > 0 and 0.5 < wire["measured"] / wire["predicted"] < 1.5, wire
 
 
+@pytest.mark.slow  # CI time (two 4-rank runs); DP2 (EP2) x CP2 losses stay in the default run (tests/parallel/test_mesh.py)
 def test_moe_with_context_parallel_sends_what_predict_says(tmp_path):
     """An MoE model on DP2 × CP2: the same losses with the experts split over EP2 (each rank routes the
     same tokens either way); CP and DP bytes equal predict's, EP bytes (routing metadata included)
@@ -186,9 +187,7 @@ def test_moe_with_tensor_parallel_equals_one_process(tmp_path):
     """An MoE model on TP2: every expert split over the two ranks, the losses of one process (which
     routes the same tokens), and the TP bytes predict states: the dense layers' plus each MoE layer's
     routing-weight gradient, predicted for every routed copy (copies dropped over capacity send nothing).
-    With --dp 2 --ep 2 as well (each TP slice of the experts spread over EP; its losses are held to one
-    process in tests/parallel/test_mesh.py), the same TP bytes per rank, and EP bytes predict's
-    balanced-routing estimate up to the actual routing."""
+    With --ep as well: test_moe_with_tensor_and_expert_parallel_sends_what_predict_says."""
     spec = tmp_path / "moe.yaml"
     spec.write_text(TINY.replace("name: llama-tiny", "name: llama-tiny-moe")
                     + "moe:\n  experts: 4\n  experts_per_token: 2\n  expert_ffn_hidden: 32\n")
@@ -197,6 +196,15 @@ def test_moe_with_tensor_parallel_equals_one_process(tmp_path):
     assert report["result"]["losses"] == pytest.approx(reference, rel=1e-5)
     wire = report["predicted_vs_measured"]["wire_bytes_per_step"]["tensor_parallel"]
     assert wire["measured"] <= wire["predicted"] and wire["measured"] == pytest.approx(wire["predicted"], rel=1e-2), wire
+
+
+@pytest.mark.slow  # CI time (a 4-rank run); DP2 (EP2) x TP2 losses stay in the default run (tests/parallel/test_mesh.py)
+def test_moe_with_tensor_and_expert_parallel_sends_what_predict_says(tmp_path):
+    """An MoE model on DP2 (EP2) x TP2, each TP slice of the experts spread over EP: the TP bytes of
+    TP alone per rank, and EP bytes predict's balanced-routing estimate up to the actual routing."""
+    spec = tmp_path / "moe.yaml"
+    spec.write_text(TINY.replace("name: llama-tiny", "name: llama-tiny-moe")
+                    + "moe:\n  experts: 4\n  experts_per_token: 2\n  expert_ffn_hidden: 32\n")
     wires = _train_json(spec, "--nproc", "4", "--tp", "2", "--dp", "2", "--ep", "2", "--steps", "3"
                         )["predicted_vs_measured"]["wire_bytes_per_step"]
     tp, ep = wires["tensor_parallel"], wires["expert_parallel"]
@@ -236,8 +244,10 @@ def test_zero_with_pipeline_parallelism(tiny, single_process_losses, strategy):
     assert wire["data_parallel"]["measured"] == pytest.approx(wire["data_parallel"]["predicted"], rel=1e-4)
 
 
-@pytest.mark.parametrize("strategy", [pytest.param("zero1", marks=pytest.mark.slow), "zero2", "zero3"])  # CI time
-@pytest.mark.parametrize("other", ["--tp", "--cp"])
+@pytest.mark.parametrize("strategy, other", [  # CI time: ZeRO-1 and ZeRO-2 with CP run with -m slow
+    pytest.param("zero1", "--tp", marks=pytest.mark.slow), ("zero2", "--tp"), ("zero3", "--tp"),
+    pytest.param("zero1", "--cp", marks=pytest.mark.slow), pytest.param("zero2", "--cp", marks=pytest.mark.slow),
+    ("zero3", "--cp")])
 def test_zero_along_data_parallel_inside_the_mesh(tiny, single_process_losses, strategy, other):
     """DP2 × TP2 and DP2 × CP2 on 4 ranks with ZeRO: one process's losses, and the bytes predict states
     (gradients reduce-scattered once per step, the updated weights all-gathered; ZeRO-3 gathers the
