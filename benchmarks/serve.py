@@ -23,11 +23,12 @@ In this process, no HTTP, all cores, static batch of equal-length prompts: ours 
 and HF transformers `generate`, batch 1 and 16, fp32 and bf16.
 Decode roofline at batch 1: weight bytes / this machine's read bandwidth (a sum over 512 MB, best
 of 5) — one pass over the weights per token. The bandwidth is measured at the start and again just
-before each of our batch-1 loads (the server idle; in process too), and the higher of the two taken: this machine's
-bandwidth drifts between 23 and 37 GB/s over minutes, and a low reading flatters the fraction (102%
-at 08:50 UTC on 2026-11-24, from a start-up reading of 23.4 GB/s). A missing peer venv is skipped with the command that
-creates it. Every row records the CPU share other processes took: while it ran (in process), or in
-the second before its load started (HTTP rows, when the server under test sat idle).
+before each of our batch-1 loads (the server idle; in process too), and the higher of the two taken:
+this machine's bandwidth drifts between 23 and 37 GB/s over minutes, and a low reading flatters the
+fraction (102% at 08:50 UTC on 2026-11-24, from a start-up reading of 23.4 GB/s). A missing peer venv
+is skipped with the command that creates it. Every row records the CPU share other processes took: while
+it ran (in process), or in the second before its load started (HTTP rows, when the server under test sat
+idle).
 """
 
 from __future__ import annotations

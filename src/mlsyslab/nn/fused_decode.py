@@ -6,8 +6,8 @@ here (SmolLM2-135M, 2 cores): the batch-1 fp32 step spent 21.7 ms in matmuls and
 everything else, most of it Python. `FusedDecode` runs the same kernels in the same order as the
 serving copy's Python layers (`nn.packed_linear.packed_for_inference`, with `nn.cpu_kernels`), the loop
 over layers in C++. The kernel each weight takes (oneDNN on the prepacked weight, ATen on the plain
-weight, or the streamed kernel on its tiled one) is the one `PackedLinear.kernel` picks for the step's rows, so the logits are bit-equal to the
-Python path's (tests/nn/test_fused_decode.py). Two C++ steps:
+weight, or the streamed kernel on its tiled one) is the one `PackedLinear.kernel` picks for the step's
+rows, so the logits are bit-equal to the Python path's (tests/nn/test_fused_decode.py). Two C++ steps:
 - where every matrix of the step takes the streamed kernel (steps under `STREAMED_BELOW` rows on CPUs
   where oneDNN cannot pack bf16), `streamed_decode` runs the embedding lookup, the layers, the final norm,
   the logits and each row's argmax in one parallel region, the threads meeting at barriers (on Zen 3, bf16

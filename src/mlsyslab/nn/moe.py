@@ -61,7 +61,7 @@ class MixtureOfExperts(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         routing = self.route(tokens)
         self.last_routing = routing
-        out = combine(tokens, routing, run_experts(self.experts, tokens[routing.token], routing.expert)).reshape(shape)
+        out = combine(tokens, routing, run_routed(self.experts, tokens, routing)).reshape(shape)
         return out if residual is None else residual + out
 
 
@@ -69,6 +69,12 @@ def run_experts(experts: nn.ModuleList, rows: torch.Tensor, expert_ids: torch.Te
     """Each row's output from its expert: `rows` sorted by `expert_ids` (ascending indices into `experts`)."""
     counts = torch.bincount(expert_ids, minlength=len(experts)).tolist()
     return torch.cat([expert(chunk) for expert, chunk in zip(experts, rows.split(counts))])
+
+
+def run_routed(experts: nn.ModuleList, tokens: torch.Tensor, routing) -> torch.Tensor:
+    """One output row per routed copy of `tokens`, in `routing`'s order, from experts all held here (the
+    local form of `parallel.expert.ExpertDispatch`)."""
+    return run_experts(experts, tokens[routing.token], routing.expert)
 
 
 AUX_LOSS_WEIGHT = 0.01  # α of the Switch Transformer (Fedus et al. 2021, §2.2), added to the language-model loss

@@ -26,7 +26,7 @@ from mlsyslab.comm.launch import Rank
 from mlsyslab.comm.log import CommLog, nbytes, traced
 from mlsyslab.comm.torch_ops import all_gather_single, reduce_scatter_single
 from mlsyslab.errors import InvalidValue
-from mlsyslab.nn.moe import MixtureOfExperts, combine, run_experts
+from mlsyslab.nn.moe import MixtureOfExperts, combine, run_routed
 
 
 class TensorGroup:
@@ -158,14 +158,14 @@ class TensorParallelExperts(nn.Module):
     partial sum, so the kept slots' weights have their gradient summed over TP (4 bytes a slot,
     "all_reduce_routing"); the router's input gradient is then whole on every rank, so it enters the
     all-reduce of f at 1/t. The balancing loss, the same on every rank, needs neither.
-    Under TP × EP (Megatron-Core's ETP with EP) `dispatch` is set to a `parallel.expert.ExpertDispatch`: the
+    Under TP × EP (Megatron-Core's ETP with EP) `dispatch` becomes a `parallel.expert.ExpertDispatch`: the
     routed copies go to the EP ranks of the same TP index, which hold the same slice of their experts, and
     come back as partial outputs, summed over TP as before."""
 
     def __init__(self, layer, tp: TensorGroup, sequence_parallel: bool):
         super().__init__()
         self.layer, self.tp, self.sp = layer, tp, sequence_parallel
-        self.dispatch = None  # the routed copies through this rank's experts: run_experts here, or over EP
+        self.dispatch = run_routed  # the routed copies through this rank's experts: here, or over EP
         for expert in layer.experts:
             for name, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
                 linear = getattr(expert, name)
@@ -178,10 +178,7 @@ class TensorParallelExperts(nn.Module):
         self.layer.last_routing = routing
         routing.weight = _OnGradient.apply(routing.weight,
                                            lambda gradient: self.tp.all_reduce(gradient, "all_reduce_routing"))
-        outputs = (self.dispatch(self.layer.experts, tokens, routing) if self.dispatch is not None
-                   else run_experts(self.layer.experts, tokens[routing.token], routing.expert))
-        partial = combine(tokens, routing, outputs)
-        partial = partial.reshape(x.shape)
+        partial = combine(tokens, routing, self.dispatch(self.layer.experts, tokens, routing)).reshape(x.shape)
         out = _Leave.apply(partial, self.tp, self.sp)
         return out if residual is None else residual + out
 

@@ -101,7 +101,8 @@ void decode(const PagedDecode<T>& problem, int64_t begin, int64_t end) {
     const auto [first, last] = unit_tokens(problem, unit);
     const int64_t* table = problem.tables + s * problem.width;
     const int64_t head_offset = h * problem.num_blocks;  // head h's copy of block b: (h · num_blocks + b)
-    const float* q_row = problem.query + (unit % 2) * problem.part_query_offset + (s * problem.heads + h * group) * HeadDim;
+    const float* q_row =
+        problem.query + (unit % 2) * problem.part_query_offset + (s * problem.heads + h * group) * HeadDim;
     for (int64_t i = 0; i < group * C; ++i) q[i] = load(q_row + i * kLanes) * problem.scale;
     std::fill(state.begin(), state.end(), Softmax<C>{});
     const int64_t blocks = (last + block_size - 1) / block_size;
@@ -198,7 +199,8 @@ void paged_decode_units(const PagedDecode<T>& problem, int64_t begin, int64_t en
 // softmax(scores)·V over both parts from each part's (Σ e^(score - max)·v, max, Σ e^(score - max)): rescaled to the
 // larger maximum (Milakov & Gimelshein 2018; FlashDecoding's reduction). A first part of no tokens is skipped. Never
 // inlined: `attend` below and the fused step must run the same instructions to get the same numbers.
-__attribute__((noinline)) void merge_parts(const float* partial, int64_t item, int64_t group, int64_t head_dim, float* out) {
+__attribute__((noinline)) void merge_parts(const float* partial, int64_t item, int64_t group, int64_t head_dim,
+                                           float* out) {
   const int64_t stride = head_dim + 2;
   for (int64_t g = 0; g < group; ++g) {
     const float* first = partial + (2 * item * group + g) * stride;
@@ -210,7 +212,8 @@ __attribute__((noinline)) void merge_parts(const float* partial, int64_t item, i
       second_scale = std::exp(second[head_dim] - top);
     }
     const float total = first[head_dim + 1] * first_scale + second[head_dim + 1] * second_scale;
-    for (int64_t i = 0; i < head_dim; ++i) out[g * head_dim + i] = (first[i] * first_scale + second[i] * second_scale) / total;
+    for (int64_t i = 0; i < head_dim; ++i)
+      out[g * head_dim + i] = (first[i] * first_scale + second[i] * second_scale) / total;
   }
 }
 

@@ -108,6 +108,12 @@ void norm_rows(const Step<T>& s, const T* weight, T* normed, int64_t count, cons
     rms_norm_row(s.h + (rows ? rows[i] : i) * s.hidden, weight, normed + i * s.hidden, s.hidden, s.eps);
 }
 
+// `table`'s row (cos or sin) for the step's token `token`: its position's.
+template <typename T>
+const T* rope_row(const Step<T>& s, const T* table, int64_t token) {
+  return table + s.positions[token] * s.head_dim;
+}
+
 // The item's query heads roped and widened for the attention kernel, at `query`'s offset `part_offset` (each of
 // an item's two units reads its own copy, written by the thread that runs it). Roped from a copy: the qkv row
 // stays as the product left it while the other unit's thread may read it.
@@ -119,7 +125,7 @@ void roped_queries(const Step<T>& s, int64_t item, int64_t part_offset, float* r
   T q[128];  // head_dim <= 128 (check_paged_cache)
   for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
     std::memcpy(q, row + head * d, d * sizeof(T));
-    rope_head(q, s.cos + s.positions[token] * d, s.sin + s.positions[token] * d, d, rotated);
+    rope_head(q, rope_row(s, s.cos, token), rope_row(s, s.sin, token), d, rotated);
     float* query = s.query + part_offset + (token * s.heads + head) * d;
     for (int64_t i = 0; i < d; ++i) query[i] = widen(q[i]);
   }
@@ -133,7 +139,7 @@ void rope_and_cache(const Step<T>& s, int64_t layer, int64_t item, float* rotate
   T* row = s.qkv + token * (s.heads + 2 * s.kv_heads) * d;
   T* k = row + (s.heads + kv_head) * d;
   const T* v = row + (s.heads + s.kv_heads + kv_head) * d;
-  rope_head(k, s.cos + s.positions[token] * d, s.sin + s.positions[token] * d, d, rotated);
+  rope_head(k, rope_row(s, s.cos, token), rope_row(s, s.sin, token), d, rotated);
   const int64_t slot = ((layer * s.kv_heads + kv_head) * s.slots_per_head + s.slots[token]) * d;
   std::memcpy(s.k_cache + slot, k, d * sizeof(T));
   std::memcpy(s.v_cache + slot, v, d * sizeof(T));
@@ -216,7 +222,10 @@ void merge_greedy(const float* best_logit, const int64_t* best_column, int64_t t
     float best = 0.f;
     for (int64_t t = 0; t < threads; ++t) {
       const int64_t column = best_column[t * rows + r];
-      if (column >= 0 && (out[r] < 0 || best_logit[t * rows + r] > best)) best = best_logit[t * rows + r], out[r] = column;
+      if (column >= 0 && (out[r] < 0 || best_logit[t * rows + r] > best)) {
+        best = best_logit[t * rows + r];
+        out[r] = column;
+      }
     }
   }
 }
@@ -248,8 +257,8 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
     const int64_t id = input_ids.data_ptr<int64_t>()[i], position = positions.data_ptr<int64_t>()[i];
     TORCH_CHECK(id >= 0 && id < embedding.size(0), "input_ids[", i, "] = ", id, ": not a token of the embedding (0..",
                 embedding.size(0) - 1, ")");
-    TORCH_CHECK(position >= 0 && position < cos.size(0), "positions[", i, "] = ", position, ": outside the rope tables' ",
-                cos.size(0), " positions");
+    TORCH_CHECK(position >= 0 && position < cos.size(0), "positions[", i, "] = ", position,
+                ": outside the rope tables' ", cos.size(0), " positions");
   }
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
               v_cache.is_contiguous() && k_cache.scalar_type() == dtype,
