@@ -152,3 +152,17 @@ def test_load_generator_counts_whole_completions_without_streaming(server):
                                                             output_tokens=5), stream=False)
     assert report.completed == 3 and report.failed == 0 and report.output_tokens_per_s > 0
     assert report.latency_p50_s > 0 and math.isnan(report.ttft_p50_s) and math.isnan(report.tpot_p50_s)
+
+
+def test_engine_process_exits_quietly_when_its_parent_goes():
+    """SIGTERM kills `mlsys serve` without its `finally` (uvicorn re-raises the signal): the engine
+    process then reads end-of-file on its command pipe and must stop with exit code 0, not a traceback."""
+    from mlsyslab.serve.engine_process import EngineProcess
+    from tests.serve.tiny import block_bytes, tiny_model
+
+    engine = EngineProcess(tiny_model(), None, EngineConfig(kv_cache_bytes=64 * block_bytes(), block_size=4), threads=1)
+    engine.wait_started()
+    engine.commands.close()  # what the parent's death does to the pipe
+    engine.process.join(30)
+    assert engine.process.exitcode == 0
+    engine.stop()

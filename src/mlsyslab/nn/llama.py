@@ -176,7 +176,9 @@ class Llama(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab, config.hidden)
+        # the weight given, so that no normal_ runs: on the meta device (the loaders build there) normal_
+        # imports torch._dynamo, 1.2-1.8 s of `mlsys serve`'s start; randn draws the same values
+        self.embed_tokens = nn.Embedding(config.vocab, config.hidden, _weight=torch.randn(config.vocab, config.hidden))
         self.layers = nn.ModuleList(DecoderLayer(config, index) for index in range(config.layers))
         self.norm = RMSNorm(config.hidden, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)

@@ -254,6 +254,8 @@ def run_engine(model, tokenizer, config, threads: int | None, commands, results)
             if engine.has_work():
                 deltas, finished = engine.step()
                 results.send(("step", deltas, finished, EngineStats.of(engine)))
+    except (EOFError, BrokenPipeError):  # the parent is gone (killed, or SIGTERM's default action): stop quietly
+        return
     except BaseException as error:  # a bug in a step: tell the parent, which fails every stream
         results.send(("error", f"{type(error).__name__}: {error}"))
         raise
