@@ -79,7 +79,7 @@ def generate_command(
     else:
         (output,) = llm.chat([[{"role": "user", "content": prompt}]], params)
     elapsed = time.perf_counter() - start
-    decode_s = elapsed - (output.ttft_s or 0.0)
+    decode_s = output.latency_s - (output.ttft_s or 0.0)  # the request's own clock: not the chat template's rendering
     result = {"model": name, "text": output.text, "finish_reason": output.finish_reason,
               "prompt_tokens": len(output.prompt_ids), "completion_tokens": len(output.output_ids),
               "seconds": elapsed, "ttft_s": output.ttft_s,
