@@ -1,6 +1,6 @@
 """Parallelisms composed on a mesh: the first 10 losses of DP2 × PP2 × TP2 (8 ranks), of DP2 × CP2
 (4 ranks) and of an MoE model on DP × EP, CP, and DP2 (EP2) × CP2 (8 ranks) equal the single-process
-run's; impossible layouts are rejected with the reason."""
+run's, and so do an MoE model's under ZeRO with EP; impossible layouts are rejected with the reason."""
 
 import copy
 import dataclasses
@@ -14,6 +14,7 @@ from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, MixtureOfExperts, load_balancing_loss
 from mlsyslab.parallel.context import zigzag_layout
 from mlsyslab.parallel.mesh import MeshLayout, build_mesh, composed_step, prepare
+from mlsyslab.parallel.mesh_zero import MeshZero
 
 CONFIG = LlamaConfig(vocab=64, hidden=32, layers=4, heads=4, kv_heads=2, head_dim=8, ffn_hidden=48, tied_embeddings=False,
                      max_seq=64)
@@ -30,13 +31,13 @@ def _model(config=CONFIG):
     return Llama(config).initialize(generator=torch.Generator().manual_seed(7)).double()
 
 
-def _optimizer(model):
-    return torch.optim.AdamW([p for p in model.parameters()], lr=1e-2, weight_decay=0.0, foreach=False)
+def _optimizer(parameters):
+    return torch.optim.AdamW(list(parameters), lr=1e-2, weight_decay=0.0, foreach=False)
 
 
 def _single_process():
     model = _model()
-    optimizer = _optimizer(model)
+    optimizer = _optimizer(model.parameters())
     losses = []
     for step in range(STEPS):
         inputs, targets = _batch(step)
@@ -67,7 +68,12 @@ def _route_by_sequence_shards(model, cp):
             module.forward = forward
 
 
-def _moe_single_process(shards, cp=1):
+def _sgd(parameters):
+    """Plain SGD: a gradient off by a constant factor changes the losses (Adam's update would hide it)."""
+    return torch.optim.SGD(list(parameters), lr=0.5)
+
+
+def _moe_single_process(shards, cp=1, optimizer=_optimizer):
     """One process, the global batch in `shards` parts whose gradients accumulate: what data parallelism
     computes for an MoE model, each part routed on its own (expert capacity and the load-balancing
     loss are per rank's tokens under DP, as in Megatron-LM and DeepSpeed-MoE), and each part's sequence
@@ -75,7 +81,7 @@ def _moe_single_process(shards, cp=1):
     model = _model(MOE)
     if cp > 1:
         _route_by_sequence_shards(model, cp)
-    optimizer = _optimizer(model)
+    optimizer = optimizer(model.parameters())
     losses = []
     for step in range(STEPS):
         optimizer.zero_grad()
@@ -94,7 +100,7 @@ def _composed(rank, layout, config=CONFIG):
     layout.validate(config, rank.world_size, SEQ, MICROBATCHES)
     mesh = build_mesh(rank, layout)
     model, pipeline = prepare(copy.deepcopy(_model(config)), mesh, MICROBATCHES)
-    optimizer = _optimizer(model)
+    optimizer = _optimizer(model.parameters())
     losses = []
     for step in range(STEPS):
         optimizer.zero_grad()
@@ -122,6 +128,30 @@ def test_expert_parallel_inside_data_parallel_equals_the_single_process_run(layo
     reference = _moe_single_process(shards, layout.cp)
     for losses in spawn(_composed, layout.dp * layout.cp * layout.pp * layout.tp, layout, MOE, timeout_s=300):
         assert losses == pytest.approx(reference, rel=1e-9)
+
+
+def _composed_with_zero(rank, layout, stage):
+    mesh = build_mesh(rank, layout)
+    model, pipeline = prepare(_model(MOE).float(), mesh, MICROBATCHES)  # ZeRO's flat buffers are fp32
+    zero = MeshZero(model, pipeline.chunks if pipeline is not None else model, mesh, stage, _sgd)
+    return [zero.train_step(lambda sharded_gradient: composed_step(
+        model, mesh, *_batch(step), MICROBATCHES, pipeline, reduce_data_parallel=False,
+        sharded_gradient=sharded_gradient)) for step in range(STEPS)]
+
+
+@pytest.mark.parametrize("layout, stage", [  # CI time: ZeRO-1, ZeRO-3 on DP4 (EP2) and ZeRO-2 under PP with -m slow
+    pytest.param(MeshLayout(dp=4, ep=2), 1, marks=pytest.mark.slow), (MeshLayout(dp=4, ep=2), 2),
+    pytest.param(MeshLayout(dp=4, ep=2), 3, marks=pytest.mark.slow), (MeshLayout(dp=2, ep=2, cp=2), 3),
+    pytest.param(MeshLayout(dp=2, ep=2, pp=2), 2, marks=pytest.mark.slow)])
+def test_zero_with_expert_parallelism_equals_the_single_process_run(layout, stage):
+    """ZeRO on an MoE model with EP: the dense weights sharded over DP × CP, the experts over the ranks
+    holding the same experts (2 of DP4 (EP2); 2 of DP2 (EP2) × CP2, one per CP index), every gradient
+    divided by the DP × CP size — under SGD, whose losses show a gradient off by a constant factor (an fp32
+    model: a looser tolerance than the float64 runs above)."""
+    shards = layout.dp * (MICROBATCHES if layout.pp > 1 else 1)
+    reference = _moe_single_process(shards, layout.cp, _sgd)
+    for losses in spawn(_composed_with_zero, layout.dp * layout.cp * layout.pp, layout, stage, timeout_s=300):
+        assert losses == pytest.approx(reference, rel=1e-5)
 
 
 @pytest.mark.parametrize("layout, field", [(MeshLayout(dp=3), "layout"), (MeshLayout(tp=3, dp=1), "layout"),

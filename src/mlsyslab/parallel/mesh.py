@@ -24,10 +24,10 @@ on DP2 (EP2) × PP2 and on DP2 (EP2) × TP2).
 per dimension), every byte each dimension sends is counted there. Under PP each stage adds its MoE
 layers' balancing loss itself (parallel/pipeline.py); under TP every expert is split
 (parallel.tensor.TensorParallelExperts), and under TP × EP each TP slice of the experts is spread over
-the EP ranks of its TP index (parallel.expert.ExpertDispatch). ZeRO-1 runs with any layout of a dense
-model, ZeRO-2 with all but EP (under PP the tied embedding's gradient is summed slice by slice:
-`sharded_gradient`), ZeRO-3 with TP, DP and CP; under CP every ZeRO stage shards over DP × CP. Not done:
-ZeRO with EP, ZeRO-3 with PP.
+the EP ranks of its TP index (parallel.expert.ExpertDispatch). ZeRO (parallel/mesh_zero.py): ZeRO-1 and
+-2 run with any layout (under PP the tied embedding's gradient is summed slice by slice:
+`sharded_gradient`), ZeRO-3 with all but PP; under CP every stage shards over DP × CP, and under EP the
+experts over the DP × CP ranks holding the same experts (`edcp`). Not done: ZeRO-3 with PP.
 """
 
 from dataclasses import dataclass, replace
@@ -98,6 +98,7 @@ class MeshRanks:
     ep: Rank | None  # the DP ranks sharing this rank's experts (None when ep = 1)
     edp: Rank  # the DP ranks holding the same experts as this one (all of DP when ep = 1)
     dcp: Rank  # the DP and CP ranks together, which hold the same weights: ZeRO's group (DP when cp = 1)
+    edcp: Rank  # the DP and CP ranks holding the same experts: the experts' ZeRO group (edp when cp = 1)
 
 
 def build_mesh(rank: Rank, layout: MeshLayout) -> MeshRanks:
@@ -108,14 +109,24 @@ def build_mesh(rank: Rank, layout: MeshLayout) -> MeshRanks:
     ranks["dcp"] = ranks["dp"] if layout.cp == 1 else _rank_in(rank, dist.new_subgroups_by_enumeration(
         mesh.mesh.permute(0, 3, 1, 2).reshape(-1, layout.dp * layout.cp).tolist())[0])
     if layout.ep == 1:  # no expert groups to make (every start of a mesh would pay for them)
-        return MeshRanks(layout, **ranks, ep=None, edp=ranks["dp"])
+        return MeshRanks(layout, **ranks, ep=None, edp=ranks["dp"], edcp=ranks["dcp"])
     dp_lines = mesh.mesh.permute(0, 2, 3, 1).reshape(-1, layout.dp).tolist()  # every DP group, in DP order
     ep, edp = layout.ep, layout.dp // layout.ep
     ranks["ep"] = _rank_in(rank, dist.new_subgroups_by_enumeration(
         [line[i * ep:(i + 1) * ep] for line in dp_lines for i in range(edp)])[0])
     ranks["edp"] = _rank_in(rank, dist.new_subgroups_by_enumeration(
         [line[j::ep] for line in dp_lines for j in range(ep)])[0])
+    by_stage_and_slice = mesh.mesh.permute(0, 3, 1, 2).reshape(-1, layout.dp, layout.cp)  # (pp·tp, dp, cp)
+    ranks["edcp"] = ranks["edp"] if layout.cp == 1 else _rank_in(rank, dist.new_subgroups_by_enumeration(
+        [grid[j::ep].reshape(-1).tolist() for grid in by_stage_and_slice for j in range(ep)])[0])
     return MeshRanks(layout, **ranks)
+
+
+def expert_parameters(model: torch.nn.Module) -> set[int]:
+    """The ids of the parameters of `model`'s experts: under EP each EP rank holds different ones, so
+    they are reduced over `edp` (`edcp` under ZeRO), not over DP."""
+    return {id(p) for module in model.modules() if isinstance(module, MixtureOfExperts)
+            for p in module.experts.parameters()}
 
 
 def _rank_in(rank: Rank, group, local: int | None = None) -> Rank:
@@ -174,8 +185,7 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
         loss.backward()
         loss = loss.detach()
     if reduce_data_parallel:
-        experts = {id(p) for module in model.modules() if isinstance(module, MixtureOfExperts)
-                   for p in module.experts.parameters()}
+        experts = expert_parameters(model)
         _all_reduce_gradients([p for p in model.parameters() if id(p) not in experts], mesh.dp, divisor=layout.dp,
                               log=logs.get("data_parallel"))
         _all_reduce_gradients([p for p in model.parameters() if id(p) in experts], mesh.edp, divisor=layout.dp,

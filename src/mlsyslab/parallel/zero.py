@@ -39,9 +39,13 @@ class ZeroDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, rank: Rank, stage: int, optimizer_factory, mixed_precision: bool = False,
                  offload: bool = False, bucket_bytes: int = 25_000_000, log: CommLog | None = None, units=None,
-                 alone: tuple = ()):
+                 alone: tuple = (), parameters: list | None = None, divisor: int | None = None):
         """`alone` (stages 1, 2): parameters that get a bucket of their own, so that their shard is the same
-        slice of them on every rank that holds them (a pipeline's tied embedding: `shard_gradient`)."""
+        slice of them on every rank that holds them (a pipeline's tied embedding: `shard_gradient`).
+        `parameters`: the ones this instance shards over `rank`'s group (default: every parameter, and the
+        buffers are broadcast too), so that two instances can shard one model over two groups — an MoE
+        model's dense weights over DP and its experts over the ranks that hold the same experts.
+        `divisor`: what the summed gradients are divided by (default: the group's size, their mean)."""
         super().__init__()
         if stage not in (1, 2, 3):
             raise InvalidValue("stage", stage, "1, 2 or 3 (stage 0 is plain data parallelism: parallel.ddp)")
@@ -50,20 +54,21 @@ class ZeroDataParallel(nn.Module):
         self.offload_device = torch.device("cpu") if offload else rank.device
         self.offload = offload
         n = rank.world_size
+        divisor = divisor or n
+        params = [p for p in (module.parameters() if parameters is None else parameters) if p.requires_grad]
         with torch.no_grad():  # every rank starts from the group's first rank's weights
-            for tensor in [*module.parameters(), *module.buffers()]:
+            for tensor in [*params, *(module.buffers() if parameters is None else ())]:
                 traced(log, "broadcast", nbytes(tensor), n, dist.broadcast, tensor, group=rank.group, group_src=0)
         if stage == 3:
             from mlsyslab.parallel.zero3 import PartitionedParameters
 
-            self.partition = PartitionedParameters(module, rank, self.compute_dtype, log, units)
+            self.partition = PartitionedParameters(module, rank, self.compute_dtype, log, units, params, divisor)
             slices = self.partition.shards
         else:
-            params = [p for p in module.parameters() if p.requires_grad]
             single = {id(p) for p in alone}
             groups = [[p] for p in params[::-1] if id(p) in single]
             groups += bucket_parameters([p for p in params[::-1] if id(p) not in single], bucket_bytes)
-            self.buckets = [_FlatBucket(b, rank, self.compute_dtype, stage) for b in groups]
+            self.buckets = [_FlatBucket(b, rank, self.compute_dtype, stage, divisor) for b in groups]
             slices = [b.slice for b in self.buckets]
             self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
             for p in params:
@@ -182,8 +187,8 @@ class ZeroDataParallel(nn.Module):
 class _FlatBucket:
     """Parameters that live as views of one flat buffer padded to a multiple of N; rank r owns slice r."""
 
-    def __init__(self, params: list, rank: Rank, dtype: torch.dtype, stage: int):
-        self.params, self.rank, self.stage = params, rank, stage
+    def __init__(self, params: list, rank: Rank, dtype: torch.dtype, stage: int, divisor: int):
+        self.params, self.rank, self.stage, self.divisor = params, rank, stage, divisor
         n = rank.world_size
         numel = sum(p.numel() for p in params)
         padded = -(-numel // n) * n
@@ -223,7 +228,7 @@ class _FlatBucket:
 
     def finish_reduce(self) -> None:
         self.pending.wait()
-        self._incoming.div_(self.rank.world_size)  # the sum over ranks → the mean gradient
+        self._incoming.div_(self.divisor)  # the sum over ranks → (by default) the mean gradient
         if self.stage == 1:  # keep it in this rank's part of the full buffer: no extra memory
             size = self.slice.numel()
             self.slice_grad = self.flat_grad[self.rank.rank * size: (self.rank.rank + 1) * size]

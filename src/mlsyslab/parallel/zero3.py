@@ -27,10 +27,14 @@ from mlsyslab.comm.torch_ops import all_gather_single, reduce_scatter_single
 
 
 class PartitionedParameters:
-    def __init__(self, module: nn.Module, rank: Rank, dtype: torch.dtype, log: CommLog | None, units=None):
-        self.rank, self.log = rank, log
+    def __init__(self, module: nn.Module, rank: Rank, dtype: torch.dtype, log: CommLog | None, units=None,
+                 parameters: list | None = None, divisor: int | None = None):
+        """Partition `parameters` (default: all of `module`'s) over `rank`'s group; the unit gradients'
+        sums are divided by `divisor` (default: the group's size)."""
+        self.rank, self.log, self.divisor = rank, log, divisor or rank.world_size
         module.register_forward_pre_hook(self._new_forward)  # before any unit's own hook
-        self.units = [_Unit(self, slots, hooks, dtype) for slots, hooks in _group(module, units)]
+        chosen = None if parameters is None else {id(p) for p in parameters}
+        self.units = [_Unit(self, slots, hooks, dtype) for slots, hooks in _group(module, units, chosen)]
         self.order: list = []  # units in the order the first forward used them (for prefetch)
         self._live_storages: dict = {}  # storage pointer of a gathered buffer → its unit
 
@@ -194,7 +198,7 @@ class _Unit:
                       mine, gradient, group=owner.rank.group, async_op=True)
         Pending([work], owner.rank, "ZeRO-3 gradient reduce-scatter", tuple(gradient.shape)).wait()
         self.backward_buffer = None
-        return mine.div_(owner.rank.world_size)
+        return mine.div_(owner.divisor)
 
 
 class _GatherUnit(torch.autograd.Function):
@@ -210,18 +214,24 @@ class _GatherUnit(torch.autograd.Function):
         return ctx.unit.reduce_gradient(gradient), None
 
 
-def _group(module: nn.Module, units) -> list:
-    """[(slots [(module, name, parameter)], modules to hook)]: one group per unit, tied parameters merged."""
+def _group(module: nn.Module, units, chosen: set | None) -> list:
+    """[(slots [(module, name, parameter)], modules to hook)]: one group per unit, tied parameters merged;
+    only parameters whose id is in `chosen` (None: all)."""
+    def slots_of(m):
+        return [(m, n, p) for n, p in m._parameters.items()
+                if p is not None and p.requires_grad and (chosen is None or id(p) in chosen)]
+
     groups = []
     covered = set()
     for unit in units or []:
-        slots = [(m, n, p) for m in unit.modules() for n, p in m._parameters.items() if p is not None and p.requires_grad]
+        slots = [slot for m in unit.modules() for slot in slots_of(m)]
         covered.update(id(m) for m in unit.modules())
-        groups.append((slots, [unit]))
+        if slots:
+            groups.append((slots, [unit]))
     for m in module.modules():
         if id(m) in covered:
             continue
-        slots = [(m, n, p) for n, p in m._parameters.items() if p is not None and p.requires_grad]
+        slots = slots_of(m)
         if slots:
             groups.append((slots, [m]))
     merged: list = []

@@ -12,14 +12,15 @@ With --tp / --pp / --cp > 1 the same loop runs `parallel.mesh.composed_step` on 
 (DP × PP × CP × TP, with EP inside DP; `train_on_mesh`) and measures the bytes each dimension sends
 and, under PP, the bubble of the executed timeline, for `verify.training.compare_mesh_training`;
 `--strategy zero1` shards the optimizer state along DP, and zero2 / zero3 also the gradients / weights
-(zero2 with --tp, --pp, --dp and --cp; zero3 with all but --pp). An MoE model (a catalog spec with
+(zero1 and zero2 with every layout; zero3 with all but --pp; parallel/mesh_zero.py). An MoE model (a catalog spec with
 `moe`, e.g. from --model-spec) always takes the mesh trainer, which adds its load-balancing loss; --ep
 splits its experts over the DP ranks, --tp splits every expert (and with both, each TP slice of the
 experts is spread over EP).
-Under --cp every ZeRO stage shards over the DP and CP ranks together (they hold the same weights).
+Under --cp every ZeRO stage shards over the DP and CP ranks together (they hold the same weights);
+under --ep an MoE model's experts are sharded over the DP × CP ranks that hold the same experts.
 Under --pp, ZeRO-2 sums the tied embedding's gradient over the pipeline slice by slice (it has a
-bucket of its own on both stages). Not done yet: ZeRO-3 with PP, ZeRO for MoE models with --ep > 1,
-bf16, offload and checkpoints inside the mesh — each is rejected before launch.
+bucket of its own on both stages). Not done yet: ZeRO-3 with PP, bf16, offload and checkpoints inside
+the mesh — each is rejected before launch.
 """
 
 import statistics
@@ -37,6 +38,7 @@ from mlsyslab.measure.memory import ActivationMeter, model_state_bytes, plain_mo
 from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.parallel.ddp import DataParallel
 from mlsyslab.parallel.mesh import MeshLayout, build_mesh, composed_step, prepare
+from mlsyslab.parallel.mesh_zero import MeshZero
 from mlsyslab.parallel.pipeline import executed_bubble
 from mlsyslab.parallel.schedules import build as build_schedule
 from mlsyslab.parallel.zero import ZeroDataParallel
@@ -133,9 +135,6 @@ class TrainConfig:
 
     def _validate_mesh(self) -> None:
         """What the mesh trainer does not do yet, named before launch."""
-        if self.model.get("moe") and self.strategy != "ddp" and self.ep > 1:
-            raise InvalidValue("strategy", self.strategy, "ddp for an MoE model with ep > 1 (ZeRO would treat the "
-                                                          "experts each EP rank holds as replicated: not built yet)")
         if self.strategy == "zero3" and self.pp > 1:
             raise InvalidValue("strategy", self.strategy, "ddp, zero1 or zero2 when pp > 1 (ZeRO-3's gathers around "
                                                           "interleaved microbatches: not built yet); zero3 runs with "
@@ -261,12 +260,10 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
     held = list(module.parameters())
     adamw = lambda params: torch.optim.AdamW(params, lr=config.lr, weight_decay=0.1, foreach=False)  # noqa: E731
     zero = None
-    if config.strategy != "ddp":  # ZeRO along DP (× CP: those ranks hold the same weights), on this rank's TP shards
+    if config.strategy != "ddp":
         tied = (model.embed_tokens.weight,) if pipeline is not None and model.config.tied_embeddings else ()
-        zero = ZeroDataParallel(module, mesh.dcp, config.zero_stage, adamw, bucket_bytes=config.bucket_bytes,
-                                log=logs["data_parallel"], alone=tied)
-        logs["data_parallel"].reset()  # its start-up broadcast is not a step's traffic
-    optimizer = adamw(held) if zero is None else None  # under ZeRO the wrapper owns the optimizer
+        zero = MeshZero(model, module, mesh, config.zero_stage, adamw, config.bucket_bytes, logs["data_parallel"], tied)
+    optimizer = adamw(held) if zero is None else None  # under ZeRO the wrappers own the optimizers
     data = TokenBatches(tokens, config.seq, config.global_batch, config.seed)
     count = sum(p.numel() for p in held)
     result = TrainResult(parameters=count, padded_parameters=count)
@@ -278,15 +275,10 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
             loss = composed_step(model, mesh, inputs, targets, config.microbatches, pipeline, logs)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        else:  # ZeRO-1 accumulates over the pipeline's backwards and reduces once; 2 and 3 reduce in the backward
-            with zero.no_sync() if zero.stage == 1 else nullcontext():
-                loss = composed_step(model, mesh, inputs, targets, config.microbatches, pipeline, logs,
-                                     reduce_data_parallel=False,
-                                     sharded_gradient=zero.shard_gradient if zero.stage == 2 else None)
-            if zero.stage == 1:
-                zero.reduce_gradients()
-            zero.step()
-            zero.zero_grad()
+        else:
+            loss = zero.train_step(lambda sharded_gradient: composed_step(
+                model, mesh, inputs, targets, config.microbatches, pipeline, logs, reduce_data_parallel=False,
+                sharded_gradient=sharded_gradient))
         result.step_s.append(time.perf_counter() - began)
         result.losses.append(loss)
         if pipeline is not None:

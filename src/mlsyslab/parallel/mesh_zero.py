@@ -1,0 +1,60 @@
+"""ZeRO inside a device mesh: the optimizer state, gradients (stage 2) and weights (stage 3) of each rank's
+TP shards and pipeline stages, sharded over the ranks that hold the same weights.
+
+Those are the DP × CP ranks (Megatron's distributed optimizer shards over DP × CP too): `MeshRanks.dcp`.
+Under expert parallelism the experts are not replicated over DP — each EP rank holds E/ep of them — so
+an MoE model takes two `ZeroDataParallel`s (DeepSpeed-MoE's expert data parallelism): the dense weights
+over DP × CP, the experts over the DP × CP ranks holding the same experts (`MeshRanks.edcp`, dp·cp/ep
+ranks). Both divide their summed gradients by the DP × CP size: an expert's gradient already sums the
+tokens its whole EP group sent it, so the dense weights' mean over DP × CP is the experts' sum over
+`edcp` divided by dp·cp, not by its own size. (Adam hides a gradient off by a constant factor in the
+losses — tests/parallel/test_mesh.py holds this under SGD.) predict.training prices the two groups'
+collectives the same way. Used by `train.trainer.train_on_mesh`.
+"""
+
+from collections.abc import Callable
+from contextlib import ExitStack
+
+from torch import nn
+
+from mlsyslab.comm.log import CommLog
+from mlsyslab.parallel.mesh import MeshRanks, expert_parameters
+from mlsyslab.parallel.zero import ZeroDataParallel
+
+
+class MeshZero:
+    """`loss = zero.train_step(lambda sharded_gradient: composed_step(..., reduce_data_parallel=False,
+    sharded_gradient=sharded_gradient))`: one step's forward, backward and optimizer step."""
+
+    def __init__(self, model: nn.Module, module: nn.Module, mesh: MeshRanks, stage: int, optimizer_factory,
+                 bucket_bytes: int = 25_000_000, log: CommLog | None = None, tied: tuple = ()):
+        """`model`: the whole model (to find the experts); `module`: what this rank holds of it (its
+        pipeline stages, or the model); `tied`: parameters two pipeline stages hold (`ZeroDataParallel`'s
+        `alone`)."""
+        self.stage = stage
+        held = list(module.parameters())
+        experts = expert_parameters(model) if mesh.layout.ep > 1 else set()
+        groups = [(mesh.dcp, [p for p in held if id(p) not in experts], tied)]
+        if experts:
+            groups.append((mesh.edcp, [p for p in held if id(p) in experts], ()))
+        self.zeros = [ZeroDataParallel(module, rank, stage, optimizer_factory, bucket_bytes=bucket_bytes, log=log,
+                                       alone=alone, parameters=parameters if experts else None,
+                                       divisor=mesh.dcp.world_size)
+                      for rank, parameters, alone in groups]
+        if log is not None:
+            log.reset()  # the start-up broadcasts are not a step's traffic
+
+    def train_step(self, forward_backward: Callable) -> float:
+        """Run `forward_backward(sharded_gradient)` (ZeRO-2's `shard_gradient` for a pipeline's tied
+        embedding, else None), reduce what it left (ZeRO-1 once, after every microbatch), step, clear."""
+        with ExitStack() as accumulating:
+            if self.stage == 1:  # accumulate over the pipeline's backwards, reduce once
+                for zero in self.zeros:
+                    accumulating.enter_context(zero.no_sync())
+            loss = forward_backward(self.zeros[0].shard_gradient if self.stage == 2 else None)
+        for zero in self.zeros:
+            if self.stage == 1:
+                zero.reduce_gradients()
+            zero.step()
+            zero.zero_grad()
+        return loss
