@@ -134,9 +134,9 @@ def _composed_with_zero(rank, layout, stage):
     mesh = build_mesh(rank, layout)
     model, pipeline = prepare(_model(MOE).float(), mesh, MICROBATCHES)  # ZeRO's flat buffers are fp32
     zero = MeshZero(model, pipeline.chunks if pipeline is not None else model, mesh, stage, _sgd)
-    return [zero.train_step(lambda sharded_gradient: composed_step(
+    return [zero.train_step(lambda tied_gradient: composed_step(
         model, mesh, *_batch(step), MICROBATCHES, pipeline, reduce_data_parallel=False,
-        sharded_gradient=sharded_gradient)) for step in range(STEPS)]
+        tied_gradient=tied_gradient)) for step in range(STEPS)]
 
 
 @pytest.mark.parametrize("layout, stage", [  # CI time: ZeRO-1, ZeRO-3 on DP4 (EP2) and ZeRO-2 under PP with -m slow

@@ -24,10 +24,10 @@ on DP2 (EP2) × PP2 and on DP2 (EP2) × TP2).
 per dimension), every byte each dimension sends is counted there. Under PP each stage adds its MoE
 layers' balancing loss itself (parallel/pipeline.py); under TP every expert is split
 (parallel.tensor.TensorParallelExperts), and under TP × EP each TP slice of the experts is spread over
-the EP ranks of its TP index (parallel.expert.ExpertDispatch). ZeRO (parallel/mesh_zero.py): ZeRO-1 and
--2 run with any layout (under PP the tied embedding's gradient is summed slice by slice:
-`sharded_gradient`), ZeRO-3 with all but PP; under CP every stage shards over DP × CP, and under EP the
-experts over the DP × CP ranks holding the same experts (`edcp`). Not done: ZeRO-3 with PP.
+the EP ranks of its TP index (parallel.expert.ExpertDispatch). ZeRO (parallel/mesh_zero.py) runs with
+any layout (under PP with ZeRO-2 and -3 the tied embedding's gradient is summed slice by slice:
+`tied_gradient`); under CP every stage shards over DP × CP, and under EP the experts over the DP × CP
+ranks holding the same experts (`edcp`).
 """
 
 from dataclasses import dataclass, replace
@@ -136,7 +136,7 @@ def _rank_in(rank: Rank, group, local: int | None = None) -> Rank:
 
 def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
                   pipeline: PipelineRank | None = None, logs: dict | None = None,
-                  reduce_data_parallel: bool = True, sharded_gradient=None) -> float:
+                  reduce_data_parallel: bool = True, tied_gradient=None) -> float:
     """Forward and backward of this rank's share of a global batch; returns the global mean loss.
 
     `inputs`/`targets` are the global batch [B, s]; DP takes rows, CP takes zig-zag columns, PP splits
@@ -145,9 +145,9 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
     (`MeshRanks.dcp`, as Megatron's distributed optimizer), and each CP rank's gradients are those of
     cp × its share of the loss, so that the mean over DP × CP is the DP mean of the CP sums. An MoE
     model's loss includes `AUX_LOSS_WEIGHT` times its load-balancing loss (over each rank's own tokens).
-    `sharded_gradient(parameter)`, under PP with ZeRO-2 (whose backward leaves only this rank's slice of
-    each gradient, `ZeroDataParallel.shard_gradient`): the tied embedding's gradient is summed over the
-    pipeline slice by slice.
+    `tied_gradient()`, under PP with ZeRO-2 or -3 (whose backward leaves only this rank's slice of each
+    gradient, `ZeroDataParallel.shard_gradient`; under ZeRO-3 the module holds no weight to ask): the
+    tensor to sum over the pipeline for the tied embedding, its slice, summed slice by slice.
     """
     layout, logs = mesh.layout, logs or {}
     rows = inputs.chunk(layout.dp)[mesh.dp.rank], targets.chunk(layout.dp)[mesh.dp.rank]
@@ -156,7 +156,7 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
         loss = torch.tensor(0.0 if loss is None else loss, dtype=torch.float64)
         dist.all_reduce(loss, group=mesh.pp.group)  # only the last stage had it
         if model.config.tied_embeddings:
-            _sum_tied_embedding_gradient(model, mesh.pp, logs.get("pipeline_p2p"), sharded_gradient)
+            _sum_tied_embedding_gradient(model, mesh.pp, logs.get("pipeline_p2p"), tied_gradient)
     elif layout.cp > 1:
         everyone = zigzag_layout(inputs.shape[1], layout.cp)
         positions = everyone[mesh.cp.rank]
@@ -226,15 +226,15 @@ def _all_reduce_gradients(parameters, rank: Rank, divisor: int, log: CommLog | N
                 parameter.grad /= divisor
 
 
-def _sum_tied_embedding_gradient(model: Llama, pp: Rank, log: CommLog | None, sharded_gradient=None) -> None:
+def _sum_tied_embedding_gradient(model: Llama, pp: Rank, log: CommLog | None, tied_gradient=None) -> None:
     """Tied embeddings under PP: the first stage's embedding and the last stage's head are one matrix
     held twice, so their gradients are summed over the pipeline group (Megatron's embedding group;
     stages in between add zeros) and both copies take the same step. Under ZeRO-2 each rank sums its
     slice (the same slice on both stages: the matrix has a ZeRO bucket of its own), 1/N of the bytes."""
-    weight = model.embed_tokens.weight
-    if sharded_gradient is not None:
-        gradient = sharded_gradient(weight)
+    if tied_gradient is not None:
+        gradient = tied_gradient()
     else:
+        weight = model.embed_tokens.weight
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         gradient = weight.grad

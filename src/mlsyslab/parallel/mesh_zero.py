@@ -23,15 +23,15 @@ from mlsyslab.parallel.zero import ZeroDataParallel
 
 
 class MeshZero:
-    """`loss = zero.train_step(lambda sharded_gradient: composed_step(..., reduce_data_parallel=False,
-    sharded_gradient=sharded_gradient))`: one step's forward, backward and optimizer step."""
+    """`loss = zero.train_step(lambda tied_gradient: composed_step(..., reduce_data_parallel=False,
+    tied_gradient=tied_gradient))`: one step's forward, backward and optimizer step."""
 
     def __init__(self, model: nn.Module, module: nn.Module, mesh: MeshRanks, stage: int, optimizer_factory,
                  bucket_bytes: int = 25_000_000, log: CommLog | None = None, tied: tuple = ()):
         """`model`: the whole model (to find the experts); `module`: what this rank holds of it (its
         pipeline stages, or the model); `tied`: parameters two pipeline stages hold (`ZeroDataParallel`'s
         `alone`)."""
-        self.stage = stage
+        self.stage, self.tied = stage, tied
         held = list(module.parameters())
         experts = expert_parameters(model) if mesh.layout.ep > 1 else set()
         groups = [(mesh.dcp, [p for p in held if id(p) not in experts], tied)]
@@ -45,13 +45,15 @@ class MeshZero:
             log.reset()  # the start-up broadcasts are not a step's traffic
 
     def train_step(self, forward_backward: Callable) -> float:
-        """Run `forward_backward(sharded_gradient)` (ZeRO-2's `shard_gradient` for a pipeline's tied
-        embedding, else None), reduce what it left (ZeRO-1 once, after every microbatch), step, clear."""
+        """Run `forward_backward(tied_gradient)` (for ZeRO-2 and -3, a function giving this rank's slice of
+        the tied parameter's gradient, to sum over the pipeline; else None), reduce what it left (ZeRO-1
+        once, after every microbatch), step, clear."""
         with ExitStack() as accumulating:
             if self.stage == 1:  # accumulate over the pipeline's backwards, reduce once
                 for zero in self.zeros:
                     accumulating.enter_context(zero.no_sync())
-            loss = forward_backward(self.zeros[0].shard_gradient if self.stage == 2 else None)
+            tied_gradient = (lambda: self.zeros[0].shard_gradient(self.tied[0])) if self.tied and self.stage > 1 else None
+            loss = forward_backward(tied_gradient)
         for zero in self.zeros:
             if self.stage == 1:
                 zero.reduce_gradients()

@@ -140,11 +140,12 @@ class ZeroDataParallel(nn.Module):
                 "optimizer": [] if self.offload else optimizer, "host_offload": optimizer if self.offload else []}
 
     def shard_gradient(self, parameter: torch.Tensor) -> torch.Tensor:
-        """Stages 1 and 2: this rank's slice of the reduced gradient of `parameter`, which must have a
-        bucket of its own (`alone`); zeros of that size where this rank does not hold it. Summing it over
-        another group, in place, sums the parameter's gradient (a pipeline's tied embedding)."""
+        """This rank's slice of the reduced gradient of `parameter`, which must have a bucket (stages 1, 2:
+        `alone`) or a unit (stage 3: a module of its own) to itself; zeros of that size where this rank
+        does not hold it. Summing it over another group, in place, sums the parameter's gradient (a
+        pipeline's tied embedding)."""
         if self.stage == 3:
-            raise InvalidValue("stage", 3, "1 or 2 (ZeRO-3 units are not looked up by parameter)")
+            return self.partition.shard_gradient(parameter)
         bucket = self._bucket_of.get(id(parameter))
         if bucket is not None and (len(bucket.params) != 1 or bucket.params[0] is not parameter):
             raise InvalidValue("parameter", tuple(parameter.shape), "one with a bucket of its own (alone=)")

@@ -24,6 +24,7 @@ from mlsyslab.comm.launch import Rank
 from mlsyslab.comm.log import CommLog, nbytes, traced
 from mlsyslab.comm.p2p import Pending
 from mlsyslab.comm.torch_ops import all_gather_single, reduce_scatter_single
+from mlsyslab.errors import InvalidValue
 
 
 class PartitionedParameters:
@@ -35,6 +36,7 @@ class PartitionedParameters:
         module.register_forward_pre_hook(self._new_forward)  # before any unit's own hook
         chosen = None if parameters is None else {id(p) for p in parameters}
         self.units = [_Unit(self, slots, hooks, dtype) for slots, hooks in _group(module, units, chosen)]
+        self.unit_of = {key: unit for unit in self.units for key in unit.parameter_ids}
         self.order: list = []  # units in the order the first forward used them (for prefetch)
         self._live_storages: dict = {}  # storage pointer of a gathered buffer → its unit
 
@@ -53,6 +55,20 @@ class PartitionedParameters:
 
     def shard_gradients(self) -> list:
         return [u.shard.grad for u in self.units]
+
+    def shard_gradient(self, parameter: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of `parameter`'s reduced gradient, for a parameter that is a unit to itself
+        (zeros of that size, kept as the gradient, where this rank does not hold it: see
+        `ZeroDataParallel.shard_gradient`)."""
+        unit = self.unit_of.get(id(parameter))
+        if unit is None:
+            return torch.zeros(-(-parameter.numel() // self.rank.world_size), dtype=torch.float32,
+                               device=self.rank.device)
+        if len(unit.parameter_ids) != 1:
+            raise InvalidValue("parameter", tuple(parameter.shape), "one that is a ZeRO-3 unit of its own")
+        if unit.shard.grad is None:
+            unit.shard.grad = torch.zeros_like(unit.shard)
+        return unit.shard.grad
 
     def zero_grad(self) -> None:
         for unit in self.units:
@@ -101,6 +117,7 @@ class _Unit:
         self.owner = owner
         rank = owner.rank
         unique = list({id(p): p for _, _, p in slots}.values())
+        self.parameter_ids = [id(p) for p in unique]  # not the objects: their full storage is freed below
         offsets, numel = {}, 0
         for p in unique:
             offsets[id(p)] = numel

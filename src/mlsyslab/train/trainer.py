@@ -12,15 +12,15 @@ With --tp / --pp / --cp > 1 the same loop runs `parallel.mesh.composed_step` on 
 (DP × PP × CP × TP, with EP inside DP; `train_on_mesh`) and measures the bytes each dimension sends
 and, under PP, the bubble of the executed timeline, for `verify.training.compare_mesh_training`;
 `--strategy zero1` shards the optimizer state along DP, and zero2 / zero3 also the gradients / weights
-(zero1 and zero2 with every layout; zero3 with all but --pp; parallel/mesh_zero.py). An MoE model (a catalog spec with
+(with every layout: parallel/mesh_zero.py). An MoE model (a catalog spec with
 `moe`, e.g. from --model-spec) always takes the mesh trainer, which adds its load-balancing loss; --ep
 splits its experts over the DP ranks, --tp splits every expert (and with both, each TP slice of the
 experts is spread over EP).
 Under --cp every ZeRO stage shards over the DP and CP ranks together (they hold the same weights);
 under --ep an MoE model's experts are sharded over the DP × CP ranks that hold the same experts.
-Under --pp, ZeRO-2 sums the tied embedding's gradient over the pipeline slice by slice (it has a
-bucket of its own on both stages). Not done yet: ZeRO-3 with PP, bf16, offload and checkpoints inside
-the mesh — each is rejected before launch.
+Under --pp, ZeRO-2 and -3 sum the tied embedding's gradient over the pipeline slice by slice (it has a
+bucket, or a unit, of its own on both stages). Not done yet: bf16, offload and checkpoints inside the
+mesh — each is rejected before launch.
 """
 
 import statistics
@@ -135,10 +135,6 @@ class TrainConfig:
 
     def _validate_mesh(self) -> None:
         """What the mesh trainer does not do yet, named before launch."""
-        if self.strategy == "zero3" and self.pp > 1:
-            raise InvalidValue("strategy", self.strategy, "ddp, zero1 or zero2 when pp > 1 (ZeRO-3's gathers around "
-                                                          "interleaved microbatches: not built yet); zero3 runs with "
-                                                          "--tp, --dp and --cp")
         for name in ("bf16", "offload", "resume"):
             if getattr(self, name):
                 raise InvalidValue(name, True, "off when tp, pp, cp or ep > 1 or the model is MoE "
@@ -276,9 +272,9 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         else:
-            loss = zero.train_step(lambda sharded_gradient: composed_step(
+            loss = zero.train_step(lambda tied_gradient: composed_step(
                 model, mesh, inputs, targets, config.microbatches, pipeline, logs, reduce_data_parallel=False,
-                sharded_gradient=sharded_gradient))
+                tied_gradient=tied_gradient))
         result.step_s.append(time.perf_counter() - began)
         result.losses.append(loss)
         if pipeline is not None:

@@ -99,7 +99,7 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
     if config.pp > 1 and spec.tied_embeddings:  # the tied embedding's gradient, summed over the pipeline
         # (under ZeRO-2 each rank's slice of it, of a bucket padded to a multiple of the DP ranks)
         elements = spec.vocab / config.tp * spec.hidden
-        elements = -(-elements // config.data_parallel) if config.zero_stage == 2 else elements
+        elements = -(-elements // config.data_parallel) if config.zero_stage >= 2 else elements
         wire["pipeline_p2p"] += float(ring_all_reduce_bytes_per_rank(elements * 4, config.pp))
     if config.cp > 1 and config.zero_stage == 0:  # every rank holds all the weights: their gradients are
         # summed over the CP group (under ZeRO they are reduced over DP × CP instead: predict's DP term)
