@@ -1,14 +1,18 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): every rank writes what only it holds.
 
-Replicated state (DDP's and ZeRO-1/2's full weights and DDP's optimizer state) is stored once;
-sharded state (ZeRO's master slices, optimizer slices, ZeRO-3 parameter shards) under rank-specific
-keys, so a run resumes on the same number of ranks. A checkpoint is written to `step_N.partial` and
-renamed to `step_N` only after every rank finished, so a run killed mid-write leaves the previous
-checkpoint as the newest complete one. Resuming restores weights, fp32 masters and AdamW state in
-place: the following steps reproduce an uninterrupted run bitwise on CPU.
+Data parallelism (`trainer_state`): replicated state (DDP's and ZeRO-1/2's full weights and DDP's
+optimizer state) is stored once; sharded state (ZeRO's master slices, optimizer slices, ZeRO-3
+parameter shards) under rank-specific keys. On a device mesh (`mesh_state`) every rank holds a
+different piece — its TP shards, pipeline stages, experts, ZeRO slices — so all of it is stored under
+the rank's keys. Either way a run resumes on the same ranks and layout. A checkpoint is written to
+`step_N.partial` and renamed to `step_N` only after every rank finished, so a run killed mid-write
+leaves the previous checkpoint as the newest complete one. Resuming restores weights, fp32 masters
+and AdamW state in place: the following steps reproduce an uninterrupted run bitwise on CPU
+(tests/train/test_train.py, both trainers).
 """
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,14 +23,15 @@ from mlsyslab.comm.launch import Rank
 from mlsyslab.errors import InvalidValue
 
 
-def save(directory: str, step: int, rank: Rank, wrapped, optimizer: torch.optim.Optimizer) -> Path:
+def save(directory: str, step: int, rank: Rank, state: dict) -> Path:
+    """Write `state` (`trainer_state` or `mesh_state`) as checkpoint `step` of `directory`."""
     root = Path(directory)
     final, partial = root / f"step_{step:08d}", root / f"step_{step:08d}.partial"
     if rank.rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier(group=rank.group)
-    dcp.save(_state(rank, wrapped, optimizer), checkpoint_id=str(partial))
+    dcp.save(state, checkpoint_id=str(partial))
     dist.barrier(group=rank.group)
     if rank.rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -35,31 +40,58 @@ def save(directory: str, step: int, rank: Rank, wrapped, optimizer: torch.optim.
     return final
 
 
-def load_latest(directory: str, rank: Rank, wrapped, optimizer: torch.optim.Optimizer) -> int:
-    """Restore the newest complete checkpoint in place; return its step (0 when there is none)."""
+def load_latest(directory: str, optimizers: list, state: Callable[[], dict]) -> int:
+    """Restore the newest complete checkpoint in place; return its step (0 when there is none).
+    `state()` is called after the `optimizers`' AdamW state exists, so that it has tensors to load into."""
     complete = sorted(p for p in Path(directory).glob("step_*") if p.is_dir() and not p.name.endswith(".partial"))
     if not complete:
         return 0
-    _allocate_adam_state(optimizer)
-    state = _state(rank, wrapped, optimizer)
-    dcp.load(state, checkpoint_id=str(complete[-1]))
+    for optimizer in optimizers:
+        _allocate_adam_state(optimizer)
+    dcp.load(state(), checkpoint_id=str(complete[-1]))
     return int(complete[-1].name.split("_")[1])
 
 
-def _state(rank: Rank, wrapped, optimizer) -> dict:
-    """Flat {key: tensor}; tensors are the live ones, so loading writes straight into the run."""
+def trainer_state(rank: Rank, wrapped, optimizer) -> dict:
+    """The data-parallel trainer's: `wrapped` a DataParallel or ZeroDataParallel, `optimizer` its optimizer."""
     sharded = hasattr(wrapped, "stage")
     state = {f"model.{k}": v for k, v in wrapped.module.state_dict(keep_vars=True).items()}
     prefix = f"rank{rank.rank}." if sharded else ""
-    if sharded and wrapped.stage == 3:
-        state.update({f"{prefix}shard.{i}": s for i, s in enumerate(wrapped.partition.shards)})
-    if sharded and wrapped._separate_masters:
-        state.update({f"{prefix}master.{i}": m for i, m in enumerate(wrapped.masters)})
+    if sharded:
+        state.update(_zero_state(prefix, wrapped))
+    state.update(_optimizer_state(prefix, optimizer))
+    return _live(state)
+
+
+def mesh_state(rank: Rank, module: torch.nn.Module, optimizer, zeros: list) -> dict:
+    """The mesh trainer's: what `module` (this rank's part of the model) holds, and either `optimizer`
+    or the ZeroDataParallels that own the optimizers (`parallel.mesh_zero.MeshZero.zeros`)."""
+    prefix = f"rank{rank.rank}."
+    state = {f"{prefix}model.{k}": v for k, v in module.state_dict(keep_vars=True).items()}
+    for index, zero in enumerate(zeros):
+        state.update(_zero_state(f"{prefix}zero{index}.", zero))
+        state.update(_optimizer_state(f"{prefix}zero{index}.", zero.optimizer))
+    if optimizer is not None:
+        state.update(_optimizer_state(prefix, optimizer))
+    return _live(state)
+
+
+def _zero_state(prefix: str, zero) -> dict:
+    """ZeRO-3's parameter shards and the fp32 masters (when separate from the weights)."""
+    state = {f"{prefix}shard.{i}": s for i, s in enumerate(zero.partition.shards)} if zero.stage == 3 else {}
+    if zero._separate_masters:
+        state.update({f"{prefix}master.{i}": m for i, m in enumerate(zero.masters)})
+    return state
+
+
+def _optimizer_state(prefix: str, optimizer) -> dict:
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    for index, param in enumerate(params):
-        for name, value in optimizer.state.get(param, {}).items():
-            if torch.is_tensor(value):
-                state[f"{prefix}optimizer.{index}.{name}"] = value
+    return {f"{prefix}optimizer.{index}.{name}": value for index, param in enumerate(params)
+            for name, value in optimizer.state.get(param, {}).items() if torch.is_tensor(value)}
+
+
+def _live(state: dict) -> dict:
+    """Flat {key: tensor}; tensors are the live ones, so loading writes straight into the run."""
     return {k: v.data if isinstance(v, torch.nn.Parameter) else v for k, v in state.items()}
 
 

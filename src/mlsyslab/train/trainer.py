@@ -19,7 +19,8 @@ experts is spread over EP).
 Under --cp every ZeRO stage shards over the DP and CP ranks together (they hold the same weights);
 under --ep an MoE model's experts are sharded over the DP × CP ranks that hold the same experts.
 Under --pp, ZeRO-2 and -3 sum the tied embedding's gradient over the pipeline slice by slice (it has a
-bucket, or a unit, of its own on both stages). Not done yet: bf16, offload and checkpoints inside the
+bucket, or a unit, of its own on both stages). Checkpoints inside the mesh hold every rank's own part
+(`checkpoint.mesh_state`) and resume on the same layout. Not done yet: bf16 and offload inside the
 mesh — each is rejected before launch.
 """
 
@@ -135,13 +136,10 @@ class TrainConfig:
 
     def _validate_mesh(self) -> None:
         """What the mesh trainer does not do yet, named before launch."""
-        for name in ("bf16", "offload", "resume"):
+        for name in ("bf16", "offload"):
             if getattr(self, name):
                 raise InvalidValue(name, True, "off when tp, pp, cp or ep > 1 or the model is MoE "
                                                "(not built inside the mesh yet)")
-        if self.checkpoint_dir:
-            raise InvalidValue("checkpoint_dir", self.checkpoint_dir, "none when tp, pp, cp or ep > 1 or the model is "
-                                                                      "MoE (not built inside the mesh yet)")
         if self.schedule not in MESH_SCHEDULES:
             raise InvalidValue("schedule", self.schedule, ", ".join(MESH_SCHEDULES))
         if self.interleave > 1 and self.schedule != "interleaved":
@@ -202,7 +200,8 @@ def train(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progress=None) 
         padded = wrapped.padded_numel
     start = 0
     if config.resume:
-        start = checkpoint.load_latest(config.checkpoint_dir, rank, wrapped, optimizer)
+        start = checkpoint.load_latest(config.checkpoint_dir, [optimizer],
+                                       lambda: checkpoint.trainer_state(rank, wrapped, optimizer))
     data = TokenBatches(tokens, config.seq, config.global_batch, config.seed)
     result = TrainResult(first_step=start, parameters=parameters, padded_parameters=padded)
     log.reset()
@@ -229,7 +228,7 @@ def train(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progress=None) 
         if progress is not None:
             progress(step + 1, result.losses[-1], config.global_batch * config.seq / result.step_s[-1])
         if config.checkpoint_dir and _checkpoint_due(config, step):
-            checkpoint.save(config.checkpoint_dir, step + 1, rank, wrapped, optimizer)
+            checkpoint.save(config.checkpoint_dir, step + 1, rank, checkpoint.trainer_state(rank, wrapped, optimizer))
     steps_run = max(1, config.steps - start)
     result.wire_bytes_per_step = {op: v["bytes_sent"] / steps_run for op, v in log.as_dict().items()}
     if config.steps > start:
@@ -260,11 +259,16 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
         tied = (model.embed_tokens.weight,) if pipeline is not None and model.config.tied_embeddings else ()
         zero = MeshZero(model, module, mesh, config.zero_stage, adamw, config.bucket_bytes, logs["data_parallel"], tied)
     optimizer = adamw(held) if zero is None else None  # under ZeRO the wrappers own the optimizers
+    zeros = zero.zeros if zero is not None else []
+    state = lambda: checkpoint.mesh_state(rank, module, optimizer, zeros)  # noqa: E731
+    start = 0
+    if config.resume:
+        start = checkpoint.load_latest(config.checkpoint_dir, [z.optimizer for z in zeros] or [optimizer], state)
     data = TokenBatches(tokens, config.seq, config.global_batch, config.seed)
     count = sum(p.numel() for p in held)
-    result = TrainResult(parameters=count, padded_parameters=count)
+    result = TrainResult(first_step=start, parameters=count, padded_parameters=count)
     bubbles = []
-    for step in range(config.steps):
+    for step in range(start, config.steps):
         began = time.perf_counter()
         inputs, targets = data.step(step, 0, 1)  # the global batch: composed_step shards it
         if zero is None:
@@ -283,9 +287,13 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
             bubbles.append(executed_bubble(spans))
         if progress is not None:
             progress(step + 1, loss, config.global_batch * config.seq / result.step_s[-1])
-    result.wire_bytes_per_step = {name: sum(log.bytes_sent.values()) / config.steps for name, log in logs.items()}
+        if config.checkpoint_dir and _checkpoint_due(config, step):
+            checkpoint.save(config.checkpoint_dir, step + 1, rank, state())
+    steps_run = max(1, config.steps - start)
+    result.wire_bytes_per_step = {name: sum(log.bytes_sent.values()) / steps_run for name, log in logs.items()}
     result.bubble = statistics.median(bubbles[1:] or bubbles) if bubbles else None
-    result.tokens_per_s = config.global_batch * config.seq / statistics.median(result.step_s[1:] or result.step_s)
+    if result.step_s:
+        result.tokens_per_s = config.global_batch * config.seq / statistics.median(result.step_s[1:] or result.step_s)
     return result
 
 
