@@ -37,6 +37,23 @@ def tiny(tmp_path_factory) -> Path:
     return path
 
 
+MOE = TINY.replace("name: llama-tiny", "name: llama-tiny-moe") + "moe:\n  experts: 4\n  experts_per_token: 2\n  expert_ffn_hidden: 32\n"
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> Path:
+    """The tiny model with 4 experts, top-2, in every layer."""
+    path = tmp_path_factory.mktemp("spec") / "moe.yaml"
+    path.write_text(MOE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def moe_ddp_losses(moe):
+    """The MoE model's first 3 losses on 2 ranks under DDP, every rank holding every expert."""
+    return _train_json(moe, "--steps", "3")["result"]["losses"]
+
+
 def mlsys(*args, **kwargs):
     return subprocess.run([sys.executable, "-m", "mlsyslab", *args], capture_output=True, text=True, timeout=300, **kwargs)
 
@@ -118,15 +135,15 @@ def test_sigkill_then_resume_reproduces_the_losses_bitwise(tiny, tmp_path):
     assert resumed["result"]["losses"] == reference[first:]  # bitwise: same floats
 
 
-@pytest.mark.parametrize("layout", [["--pp", "2", "--dp", "2", "--strategy", "zero3"],
-                                    pytest.param(["--pp", "2", "--tp", "2", "--dp", "1"], marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout", [["--nproc", "2", "--pp", "2", "--strategy", "zero3"],  # CI time: 2 ranks
+                                    pytest.param(["--nproc", "4", "--pp", "2", "--tp", "2", "--dp", "1"],
+                                                 marks=pytest.mark.slow)])
 def test_mesh_checkpoint_resumes_bitwise(tiny, tmp_path, layout):
-    """On a device mesh every rank saves its own stages, shards and optimizer state (ZeRO-3's under DP2 ×
-    PP2; plain AdamW's under PP2 × TP2 with -m slow): a run resumed from step 2 of 4 gives the
-    uninterrupted run's last two losses, bitwise. (Leaving out ZeRO's optimizer state makes the 4th
-    differ.)"""
+    """On a device mesh every rank saves its own stages, shards and optimizer state (ZeRO-3's on PP2;
+    plain AdamW's on PP2 × TP2 with -m slow): a run resumed from step 2 of 4 gives the uninterrupted
+    run's last two losses, bitwise. (Leaving out ZeRO's optimizer state makes the 4th differ.)"""
     directory = tmp_path / "checkpoints"
-    args = ("--nproc", "4", "--global-batch", "8", "--micro-batch", "1", *layout, "--steps", "4",
+    args = ("--global-batch", "8", "--micro-batch", "1", *layout, "--steps", "4",
             "--checkpoint-dir", str(directory), "--checkpoint-every", "2")
     reference = _train_json(tiny, *args)["result"]["losses"]
     shutil.rmtree(directory / "step_00000004")  # as if killed between the two checkpoints
@@ -134,7 +151,8 @@ def test_mesh_checkpoint_resumes_bitwise(tiny, tmp_path, layout):
     assert resumed["first_step"] == 2 and resumed["losses"] == reference[2:]
 
 
-@pytest.mark.parametrize("strategy, extra", [("ddp", []), ("zero1", []), ("zero3", ["--offload"]), ("zero2", ["--bf16"])])
+@pytest.mark.parametrize("strategy, extra", [  # CI time: ZeRO-1's states and bytes also in tests/parallel/test_zero.py
+    ("ddp", []), pytest.param("zero1", [], marks=pytest.mark.slow), ("zero3", ["--offload"]), ("zero2", ["--bf16"])])
 def test_report_holds_states_and_wire_equal_to_predict(tiny, strategy, extra):
     report = _train_json(tiny, "--strategy", strategy, "--steps", "2", *extra)["predicted_vs_measured"]
     for category in ("weights", "gradients", "optimizer", "host_offload"):
@@ -169,32 +187,24 @@ def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny, 
             assert wire["context_parallel"]["measured"] == pytest.approx(wire["context_parallel"]["predicted"])
 
 
-def test_expert_parallel_training_equals_data_parallel_and_sends_the_routed_tokens(tmp_path):
+def test_expert_parallel_training_equals_data_parallel_and_sends_the_routed_tokens(moe, moe_ddp_losses):
     """An MoE model on 2 ranks: with --ep 2 each rank holds 2 of the 4 experts and the routed tokens
     cross over, and the losses equal plain DP's (each rank's tokens routed the same way either way);
     the all-to-all bytes are predict's balanced-routing estimate up to the actual routing."""
-    spec = tmp_path / "moe.yaml"
-    spec.write_text(TINY.replace("name: llama-tiny", "name: llama-tiny-moe")
-                    + "moe:\n  experts: 4\n  experts_per_token: 2\n  expert_ffn_hidden: 32\n")
-    reference = _train_json(spec, "--steps", "3")
-    assert reference["predicted_vs_measured"]["wire_bytes_per_step"].get("expert_parallel") is None
-    report = _train_json(spec, "--ep", "2", "--steps", "3")
-    assert report["result"]["losses"] == pytest.approx(reference["result"]["losses"], rel=1e-6)
+    report = _train_json(moe, "--ep", "2", "--steps", "3")
+    assert report["result"]["losses"] == pytest.approx(moe_ddp_losses, rel=1e-6)
     wire = report["predicted_vs_measured"]["wire_bytes_per_step"]["expert_parallel"]
     assert wire["predicted"] > 0 and 0.5 < wire["measured"] / wire["predicted"] < 1.5, wire
 
 
 @pytest.mark.slow  # CI time (two 4-rank runs); DP2 (EP2) x CP2 losses stay in the default run (tests/parallel/test_mesh.py)
-def test_moe_with_context_parallel_sends_what_predict_says(tmp_path):
+def test_moe_with_context_parallel_sends_what_predict_says(moe):
     """An MoE model on DP2 × CP2: the same losses with the experts split over EP2 (each rank routes the
     same tokens either way); CP and DP bytes equal predict's, EP bytes (routing metadata included)
     predict's balanced estimate up to the actual routing."""
-    spec = tmp_path / "moe.yaml"
-    spec.write_text(TINY.replace("name: llama-tiny", "name: llama-tiny-moe")
-                    + "moe:\n  experts: 4\n  experts_per_token: 2\n  expert_ffn_hidden: 32\n")
     layout = ("--nproc", "4", "--dp", "2", "--cp", "2", "--steps", "3")
-    reference = _train_json(spec, *layout)
-    report = _train_json(spec, *layout, "--ep", "2")
+    reference = _train_json(moe, *layout)
+    report = _train_json(moe, *layout, "--ep", "2")
     assert report["result"]["losses"] == pytest.approx(reference["result"]["losses"], rel=1e-6)
     wire = report["predicted_vs_measured"]["wire_bytes_per_step"]
     for dimension in ("context_parallel", "data_parallel"):
@@ -202,52 +212,41 @@ def test_moe_with_context_parallel_sends_what_predict_says(tmp_path):
     assert 0.5 < wire["expert_parallel"]["measured"] / wire["expert_parallel"]["predicted"] < 1.5, wire
 
 
-def test_moe_with_tensor_parallel_equals_one_process(tmp_path):
+def test_moe_with_tensor_parallel_equals_one_process(moe):
     """An MoE model on TP2: every expert split over the two ranks, the losses of one process (which
     routes the same tokens), and the TP bytes predict states: the dense layers' plus each MoE layer's
     routing-weight gradient, predicted for every routed copy (copies dropped over capacity send nothing).
     With --ep as well: test_moe_with_tensor_and_expert_parallel_sends_what_predict_says."""
-    spec = tmp_path / "moe.yaml"
-    spec.write_text(TINY.replace("name: llama-tiny", "name: llama-tiny-moe")
-                    + "moe:\n  experts: 4\n  experts_per_token: 2\n  expert_ffn_hidden: 32\n")
-    reference = _train_json(spec, "--nproc", "1", "--steps", "3")["result"]["losses"]
-    report = _train_json(spec, "--nproc", "2", "--tp", "2", "--steps", "3")
+    reference = _train_json(moe, "--nproc", "1", "--steps", "3")["result"]["losses"]
+    report = _train_json(moe, "--nproc", "2", "--tp", "2", "--steps", "3")
     assert report["result"]["losses"] == pytest.approx(reference, rel=1e-5)
     wire = report["predicted_vs_measured"]["wire_bytes_per_step"]["tensor_parallel"]
     assert wire["measured"] <= wire["predicted"] and wire["measured"] == pytest.approx(wire["predicted"], rel=1e-2), wire
 
 
 @pytest.mark.slow  # CI time (a 4-rank run); DP2 (EP2) x TP2 losses stay in the default run (tests/parallel/test_mesh.py)
-def test_moe_with_tensor_and_expert_parallel_sends_what_predict_says(tmp_path):
+def test_moe_with_tensor_and_expert_parallel_sends_what_predict_says(moe):
     """An MoE model on DP2 (EP2) x TP2, each TP slice of the experts spread over EP: the TP bytes of
     TP alone per rank, and EP bytes predict's balanced-routing estimate up to the actual routing."""
-    spec = tmp_path / "moe.yaml"
-    spec.write_text(TINY.replace("name: llama-tiny", "name: llama-tiny-moe")
-                    + "moe:\n  experts: 4\n  experts_per_token: 2\n  expert_ffn_hidden: 32\n")
-    wires = _train_json(spec, "--nproc", "4", "--tp", "2", "--dp", "2", "--ep", "2", "--steps", "3"
+    wires = _train_json(moe, "--nproc", "4", "--tp", "2", "--dp", "2", "--ep", "2", "--steps", "3"
                         )["predicted_vs_measured"]["wire_bytes_per_step"]
     tp, ep = wires["tensor_parallel"], wires["expert_parallel"]
     assert tp["measured"] <= tp["predicted"] and tp["measured"] == pytest.approx(tp["predicted"], rel=1e-2), tp
     assert ep["predicted"] > 0 and 0.5 < ep["measured"] / ep["predicted"] < 1.5, ep
 
 
-def test_zero_for_an_moe_model_equals_its_ddp_run(tmp_path):
-    """ZeRO-2 and -3 on an MoE model (every rank holds every expert: ep = 1): DDP's losses, and the DP
-    bytes predict states. (An expert no token reached still gets a zero gradient, so every rank
-    reduces the same buckets in the same order.) With --ep 2 on DP4, ZeRO-3 shards the dense weights
-    over the 4 ranks and each expert over the 2 that hold it: the DP bytes predict states for the two
-    groups (the losses: tests/parallel/test_mesh.py)."""
-    spec = tmp_path / "moe.yaml"
-    spec.write_text(TINY.replace("name: llama-tiny", "name: llama-tiny-moe")
-                    + "moe:\n  experts: 4\n  experts_per_token: 2\n  expert_ffn_hidden: 32\n")
-    reference = _train_json(spec, "--steps", "3")["result"]["losses"]
-    for strategy in ("zero2", "zero3"):
-        report = _train_json(spec, "--steps", "3", "--strategy", strategy)
-        assert report["result"]["losses"] == pytest.approx(reference, rel=1e-6), strategy
-        wire = report["predicted_vs_measured"]["wire_bytes_per_step"]["data_parallel"]
-        assert wire["measured"] == pytest.approx(wire["predicted"]), strategy
-    report = _train_json(spec, "--nproc", "4", "--global-batch", "8", "--dp", "4", "--ep", "2", "--steps", "3",
-                         "--strategy", "zero3")
+def test_zero_for_an_moe_model_equals_its_ddp_run(moe, moe_ddp_losses):
+    """ZeRO-3 on an MoE model (every rank holds every expert: ep = 1): DDP's losses, and the DP bytes
+    predict states. (An expert no token reached still gets a zero gradient, so every rank reduces the
+    same buckets in the same order.) With --ep 2 on DP4, ZeRO-2 shards the dense weights over the 4
+    ranks and each expert over the 2 that hold it: the DP bytes predict states for the two groups (the
+    losses, and ZeRO-1/3 with EP: tests/parallel/test_mesh.py)."""
+    report = _train_json(moe, "--steps", "3", "--strategy", "zero3")
+    assert report["result"]["losses"] == pytest.approx(moe_ddp_losses, rel=1e-6)
+    wire = report["predicted_vs_measured"]["wire_bytes_per_step"]["data_parallel"]
+    assert wire["measured"] == pytest.approx(wire["predicted"])
+    report = _train_json(moe, "--nproc", "4", "--global-batch", "8", "--dp", "4", "--ep", "2", "--steps", "3",
+                         "--strategy", "zero2")
     wire = report["predicted_vs_measured"]["wire_bytes_per_step"]
     assert wire["data_parallel"]["measured"] == pytest.approx(wire["data_parallel"]["predicted"])
     assert 0.5 < wire["expert_parallel"]["measured"] / wire["expert_parallel"]["predicted"] < 1.5, wire
@@ -270,8 +269,9 @@ def test_zero_with_pipeline_parallelism(tiny, single_process_losses, strategy):
     assert wire["data_parallel"]["measured"] == pytest.approx(wire["data_parallel"]["predicted"], rel=1e-4)
 
 
-@pytest.mark.parametrize("strategy, other", [  # CI time: ZeRO-1 and ZeRO-2 with CP run with -m slow
-    pytest.param("zero1", "--tp", marks=pytest.mark.slow), ("zero2", "--tp"), ("zero3", "--tp"),
+@pytest.mark.parametrize("strategy, other", [  # CI time: ZeRO-1, ZeRO-2 with CP and ZeRO-3 with TP run with -m slow
+    pytest.param("zero1", "--tp", marks=pytest.mark.slow), ("zero2", "--tp"),
+    pytest.param("zero3", "--tp", marks=pytest.mark.slow),
     pytest.param("zero1", "--cp", marks=pytest.mark.slow), pytest.param("zero2", "--cp", marks=pytest.mark.slow),
     ("zero3", "--cp")])
 def test_zero_along_data_parallel_inside_the_mesh(tiny, single_process_losses, strategy, other):

@@ -144,13 +144,14 @@ class ZeroDataParallel(nn.Module):
         `alone`) or a unit (stage 3: a module of its own) to itself; zeros of that size where this rank
         does not hold it. Summing it over another group, in place, sums the parameter's gradient (a
         pipeline's tied embedding)."""
-        if self.stage == 3:
-            return self.partition.shard_gradient(parameter)
-        bucket = self._bucket_of.get(id(parameter))
+        held = self.partition.shard_gradient(parameter) if self.stage == 3 else None
+        bucket = self._bucket_of.get(id(parameter)) if self.stage < 3 else None
         if bucket is not None and (len(bucket.params) != 1 or bucket.params[0] is not parameter):
             raise InvalidValue("parameter", tuple(parameter.shape), "one with a bucket of its own (alone=)")
         if bucket is not None and bucket.slice_grad is not None:
             return bucket.slice_grad
+        if held is not None:
+            return held
         gradient = torch.zeros(-(-parameter.numel() // self.rank.world_size), dtype=torch.float32,
                                device=self.rank.device)
         if bucket is not None:

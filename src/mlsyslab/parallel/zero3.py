@@ -56,14 +56,13 @@ class PartitionedParameters:
     def shard_gradients(self) -> list:
         return [u.shard.grad for u in self.units]
 
-    def shard_gradient(self, parameter: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of `parameter`'s reduced gradient, for a parameter that is a unit to itself
-        (zeros of that size, kept as the gradient, where this rank does not hold it: see
-        `ZeroDataParallel.shard_gradient`)."""
+    def shard_gradient(self, parameter: torch.Tensor) -> torch.Tensor | None:
+        """This rank's slice of `parameter`'s reduced gradient (zeros until a backward reaches it), for a
+        parameter that is a unit to itself; None where this rank does not hold it
+        (`ZeroDataParallel.shard_gradient`)."""
         unit = self.unit_of.get(id(parameter))
         if unit is None:
-            return torch.zeros(-(-parameter.numel() // self.rank.world_size), dtype=torch.float32,
-                               device=self.rank.device)
+            return None
         if len(unit.parameter_ids) != 1:
             raise InvalidValue("parameter", tuple(parameter.shape), "one that is a ZeRO-3 unit of its own")
         if unit.shard.grad is None:
