@@ -156,8 +156,7 @@ def load_test(server: Server, args, bandwidth: float, twins: dict) -> list[dict]
             if dtype is not None:
                 row["predicted_tpot_s"] = twins[dtype]["tpot_s"][load]
                 if load == 1:
-                    row["decode_roofline_fraction"] = twins[dtype]["weight_bytes"] / bandwidth / report["tpot_p50_s"]
-                    row["read_bandwidth_bytes_per_s"] = bandwidth
+                    row |= roofline_fields(twins[dtype]["weight_bytes"], bandwidth, report["tpot_p50_s"])
             rows.append(row)
             print(json.dumps({k: row[k] for k in ("system", "concurrency", "output_tokens_per_s")}), file=sys.stderr)
     return rows
@@ -233,8 +232,7 @@ def ours_in_process(dtype: str, batch: int, args, roofline: tuple[float, float] 
            "output_tokens_per_s": batch * args.output_tokens / elapsed, "tpot_p50_s": tpot,
            "other_processes_cpu_share": others.share()}
     if roofline:
-        row["decode_roofline_fraction"] = roofline[0] / bandwidth / tpot
-        row["read_bandwidth_bytes_per_s"] = bandwidth
+        row |= roofline_fields(roofline[0], bandwidth, tpot)
     return row
 
 
@@ -255,6 +253,11 @@ def hf_generate(dtype: str, batch: int, args) -> dict:
         elapsed = time.perf_counter() - start
     return {"system": f"HF transformers {dtype} generate", "where": "in process", "concurrency": batch,
             "output_tokens_per_s": batch * args.output_tokens / elapsed, "other_processes_cpu_share": others.share()}
+
+
+def roofline_fields(weight_bytes: float, bandwidth: float, tpot_s: float) -> dict:
+    """A batch-1 row's fraction of the decode roofline (one pass over the weights per token) and its bandwidth."""
+    return {"decode_roofline_fraction": weight_bytes / bandwidth / tpot_s, "read_bandwidth_bytes_per_s": bandwidth}
 
 
 def read_bandwidth() -> float:

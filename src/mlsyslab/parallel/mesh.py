@@ -105,9 +105,10 @@ def build_mesh(rank: Rank, layout: MeshLayout) -> MeshRanks:
     """This rank's place in each dimension of the (pp, dp, cp, tp) mesh, and in EP and EDP inside DP."""
     mesh = init_device_mesh(rank.device.type, tuple(getattr(layout, d) for d in DIMENSIONS), mesh_dim_names=DIMENSIONS)
     ranks = {name: _rank_in(rank, mesh.get_group(name), mesh.get_local_rank(name)) for name in DIMENSIONS}
+    grids = mesh.mesh.permute(0, 3, 1, 2).reshape(-1, layout.dp, layout.cp)  # the DP × CP ranks of each (pp, tp)
     # new_subgroups_by_enumeration makes every group on every rank (in one order) and returns this rank's
     ranks["dcp"] = ranks["dp"] if layout.cp == 1 else _rank_in(rank, dist.new_subgroups_by_enumeration(
-        mesh.mesh.permute(0, 3, 1, 2).reshape(-1, layout.dp * layout.cp).tolist())[0])
+        [grid.reshape(-1).tolist() for grid in grids])[0])
     if layout.ep == 1:  # no expert groups to make (every start of a mesh would pay for them)
         return MeshRanks(layout, **ranks, ep=None, edp=ranks["dp"], edcp=ranks["dcp"])
     dp_lines = mesh.mesh.permute(0, 2, 3, 1).reshape(-1, layout.dp).tolist()  # every DP group, in DP order
@@ -116,9 +117,8 @@ def build_mesh(rank: Rank, layout: MeshLayout) -> MeshRanks:
         [line[i * ep:(i + 1) * ep] for line in dp_lines for i in range(edp)])[0])
     ranks["edp"] = _rank_in(rank, dist.new_subgroups_by_enumeration(
         [line[j::ep] for line in dp_lines for j in range(ep)])[0])
-    by_stage_and_slice = mesh.mesh.permute(0, 3, 1, 2).reshape(-1, layout.dp, layout.cp)  # (pp·tp, dp, cp)
     ranks["edcp"] = ranks["edp"] if layout.cp == 1 else _rank_in(rank, dist.new_subgroups_by_enumeration(
-        [grid[j::ep].reshape(-1).tolist() for grid in by_stage_and_slice for j in range(ep)])[0])
+        [grid[j::ep].reshape(-1).tolist() for grid in grids for j in range(ep)])[0])
     return MeshRanks(layout, **ranks)
 
 
@@ -229,8 +229,9 @@ def _all_reduce_gradients(parameters, rank: Rank, divisor: int, log: CommLog | N
 def _sum_tied_embedding_gradient(model: Llama, pp: Rank, log: CommLog | None, tied_gradient=None) -> None:
     """Tied embeddings under PP: the first stage's embedding and the last stage's head are one matrix
     held twice, so their gradients are summed over the pipeline group (Megatron's embedding group;
-    stages in between add zeros) and both copies take the same step. Under ZeRO-2 each rank sums its
-    slice (the same slice on both stages: the matrix has a ZeRO bucket of its own), 1/N of the bytes."""
+    stages in between add zeros) and both copies take the same step. Under ZeRO-2 and -3 each rank sums its
+    slice (the same slice on both stages: the matrix has a ZeRO bucket, or unit, of its own), 1/N of the
+    bytes."""
     if tied_gradient is not None:
         gradient = tied_gradient()
     else:

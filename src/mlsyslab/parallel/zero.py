@@ -148,15 +148,14 @@ class ZeroDataParallel(nn.Module):
         bucket = self._bucket_of.get(id(parameter)) if self.stage < 3 else None
         if bucket is not None and (len(bucket.params) != 1 or bucket.params[0] is not parameter):
             raise InvalidValue("parameter", tuple(parameter.shape), "one with a bucket of its own (alone=)")
-        if bucket is not None and bucket.slice_grad is not None:
-            return bucket.slice_grad
-        if held is not None:
-            return held
-        gradient = torch.zeros(-(-parameter.numel() // self.rank.world_size), dtype=torch.float32,
-                               device=self.rank.device)
         if bucket is not None:
-            bucket.slice_grad = gradient
-        return gradient
+            held = bucket.slice_grad
+        if held is None:  # no backward has reached it yet, or this rank does not hold it
+            held = torch.zeros(-(-parameter.numel() // self.rank.world_size), dtype=torch.float32,
+                               device=self.rank.device)
+            if bucket is not None:
+                bucket.slice_grad = held
+        return held
 
     @property
     def padded_numel(self) -> int:

@@ -97,7 +97,7 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
     v = config.interleave
     wire["pipeline_p2p"] *= (2 * v - 1) / (2 * v)  # the first stage sends no gradient back from virtual stage 0
     if config.pp > 1 and spec.tied_embeddings:  # the tied embedding's gradient, summed over the pipeline
-        # (under ZeRO-2 each rank's slice of it, of a bucket padded to a multiple of the DP ranks)
+        # (under ZeRO-2 and -3 each rank's slice of it, of a bucket or unit padded to a multiple of the DP ranks)
         elements = spec.vocab / config.tp * spec.hidden
         elements = -(-elements // config.data_parallel) if config.zero_stage >= 2 else elements
         wire["pipeline_p2p"] += float(ring_all_reduce_bytes_per_rank(elements * 4, config.pp))
