@@ -30,10 +30,6 @@
 #include "kernels.h"
 #include "vec.h"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -42,57 +38,21 @@ namespace {
 
 using namespace mlsyslab;
 
-typedef Lanes<kLanes>::Words Words;  // the bits of one vector of Floats (vec.h: as wide as the registers)
 constexpr int64_t kChunk = 2 * kLanes;  // inputs of one tile row: two vectors
 constexpr int64_t kGroup = 8;           // output rows of one tile
 
 template <typename T> inline T bits_as(const void* p) { T v; std::memcpy(&v, p, sizeof v); return v; }
 
-// a·b + c as one instruction. Written `c += a·b`, -ffast-math regroups a tile row's two products into
-// a multiply, an FMA and an add (three floating-point operations for two FMAs' work); the intrinsic
-// is not regrouped. On Zen 3, L3-resident bf16 tiles went from 45.5-46.6 to 48.9-50.4 GB/s on one thread.
-inline Floats fused_multiply_add(Floats a, Floats b, Floats c) {
-#if defined(__AVX512F__)
-  return Floats(_mm512_fmadd_ps(__m512(a), __m512(b), __m512(c)));
-#elif defined(__AVX2__) && defined(__FMA__)
-  return Floats(_mm256_fmadd_ps(__m256(a), __m256(b), __m256(c)));
-#else
-  return c + a * b;  // other CPUs (aarch64): whatever the compiler makes of it
-#endif
-}
-
-// One tile row's kChunk weights as two fp32 vectors, in the order `x_in_tile_order` puts x in.
-inline void weights(const float* w, Floats& first, Floats& second) {
-  first = bits_as<Floats>(w);
-  second = bits_as<Floats>(w + kLanes);
-}
-inline void weights(const c10::BFloat16* w, Floats& even, Floats& odd) {
-  const Words words = bits_as<Words>(w);
-  const Words low = words << 16, high = words & 0xFFFF0000u;
-  even = bits_as<Floats>(&low);
-  odd = bits_as<Floats>(&high);
-}
-
-// x rows as fp32, zero-padded to `padded` inputs, each chunk in the order `weights` returns them: fp32
-// chunks as they are, bf16 chunks as their even inputs then their odd ones. Into a buffer each thread
-// keeps (no allocation per call: a decode step makes ~120 calls).
+// x rows as fp32, zero-padded to `padded` inputs, each chunk in the order `load_pair` returns the weights
+// (vec.h: fp32 chunks as they are, bf16 chunks as their even inputs then their odd ones). Into a buffer each
+// thread keeps (no allocation per call: a decode step makes ~120 calls).
 template <typename T, typename X>
 const float* x_in_tile_order(const X* x, int64_t rows, int64_t in, int64_t row_stride, int64_t padded) {
   thread_local std::vector<float> buffer;
   buffer.assign(rows * padded, 0.f);
-  constexpr bool pairs = std::is_same_v<T, c10::BFloat16>;
-  for (int64_t r = 0; r < rows; ++r) {
-    const X* row = x + r * row_stride;
-    float* split = buffer.data() + r * padded;
-    const int64_t whole = in / kChunk * kChunk;
-    for (int64_t chunk = 0; chunk < whole; chunk += kChunk)
-      for (int i = 0; i < kLanes; ++i) {
-        split[chunk + i] = widen(row[chunk + (pairs ? 2 * i : i)]);
-        split[chunk + kLanes + i] = widen(row[chunk + (pairs ? 2 * i + 1 : kLanes + i)]);
-      }
-    for (int64_t lane = 0; lane < in - whole; ++lane)  // the last, partial chunk
-      split[whole + (pairs ? lane / 2 + (lane % 2) * kLanes : lane)] = widen(row[whole + lane]);
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < in; ++i)
+      buffer[r * padded + i / kChunk * kChunk + pair_slot<T>(i % kChunk)] = widen(x[r * row_stride + i]);
   return buffer.data();
 }
 
@@ -135,7 +95,7 @@ void group_outputs(const StreamedProduct<T>& p, int64_t group) {
       const Floats second_x = bits_as<Floats>(x + c * kChunk + kLanes);
       for (int g = 0; g < kGroup; ++g) {
         Floats first, second;
-        weights(tiles + (c * kGroup + g) * kChunk, first, second);
+        load_pair(tiles + (c * kGroup + g) * kChunk, first, second);
         acc[g] = fused_multiply_add(first, first_x, acc[g]);
         acc[g] = fused_multiply_add(second, second_x, acc[g]);
       }
