@@ -1,5 +1,5 @@
 // bf16 <-> fp32 conversions, vectors of floats as wide as the CPU's registers (GCC vector extensions),
-// and the few operations the kernels build on them: loads that widen bf16, horizontal reductions, an exp.
+// and the few operations the kernels build on them: pair loads that widen bf16, horizontal reductions, an exp.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -32,21 +32,12 @@ template <> inline float narrow<float>(float f) { return f; }
 template <> inline c10::BFloat16 narrow<c10::BFloat16>(float f) { return c10::BFloat16(bf16_bits(f), c10::BFloat16::from_bits()); }
 template <typename T> inline float rounded(float x) { return widen(narrow<T>(x)); }
 
-// N floats as one GCC vector (N·4 bytes: 16 fill an AVX-512 register, 8 an AVX2 one), and the bf16 and
-// bit views of the same lanes.
+// N floats as one GCC vector (N·4 bytes: 16 fill an AVX-512 register, 8 an AVX2 one), and the bit view of
+// the same lanes.
 template <int N> struct Lanes {
   typedef float Floats __attribute__((vector_size(N * 4)));
-  typedef uint16_t Halves __attribute__((vector_size(N * 2)));
   typedef uint32_t Words __attribute__((vector_size(N * 4)));
 };
-
-// N bf16 values widened to fp32: bf16 is the top half of an fp32, so widening is a shift.
-template <int N>
-inline typename Lanes<N>::Floats widen_lanes(const c10::BFloat16* p) {
-  typename Lanes<N>::Halves half; std::memcpy(&half, p, sizeof half);
-  typename Lanes<N>::Words word = __builtin_convertvector(half, typename Lanes<N>::Words) << 16;
-  typename Lanes<N>::Floats v; std::memcpy(&v, &word, sizeof v); return v;
-}
 
 // The widest vector the compiler targets (-march=native): 16 floats in one AVX-512 register, or 8 in
 // an AVX2 one. (16-float vectors on AVX2 are split in two registers by the compiler, and their shuffles
@@ -67,9 +58,6 @@ constexpr Ints kLaneIndex = {0, 1, 2, 3, 4, 5, 6, 7};
 #endif
 
 inline Floats broadcast(float x) { return Floats{} + x; }
-
-inline Floats load(const float* p) { Floats v; std::memcpy(&v, p, sizeof v); return v; }
-inline Floats load(const c10::BFloat16* p) { return widen_lanes<kLanes>(p); }
 
 // a·b + c as one instruction. Written `c += a·b`, -ffast-math regroups a tile row's two products into
 // a multiply, an FMA and an add (three floating-point operations for two FMAs' work); the intrinsic
