@@ -9,7 +9,8 @@ Per microbatch, each rank of the slowest (last) pipeline stage spends:
   EP          dispatch + combine all-to-all of top-k copies of each token per MoE layer, twice
               more backward (Lepikhin et al. 2020, GShard);
   CP          cp − 1 ring steps passing K/V per layer (twice in backward: K/V and their
-              gradients), hidden behind attention compute when it is shorter (Liu et al. 2023);
+              gradients, accumulated in fp32), hidden behind attention compute when it is shorter
+              (Liu et al. 2023);
   PP          a send forward and backward per microbatch between stages.
 A step is (m + (p − 1)/v) such slots (the bubble), then the exposed part of the data-parallel
 traffic (2Ψ per step; ZeRO-2 (m+1)Ψ, ZeRO-3 3mΨ with m microbatches), then the optimizer step (memory-bound; on the
@@ -123,14 +124,17 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     # Context parallel: K/V blocks circulate the ring.
     kv_width = 2 * model.num_kv_heads * model.attention_head_dim if model.mla is None else d_qk + d_v
     kv_block = tokens * kv_width * width / t
+    gradient_block = tokens * kv_width * max(width, 4) / t  # the accumulators stay fp32 (parallel/context.py)
     cp_bw = np.where(t * c <= hw.scale_up_domain, up_bw, out_bw)
     # forward (c−1) hops of K+V (again under full recompute); backward (c−1) hops of K+V with their
-    # gradient accumulators (2 blocks), then one hop bringing the accumulators home (parallel/context.py)
-    cp_steps = np.where(c > 1, ((c - 1) * (3 + full) + 1) * layers, 0.0)
-    cp_transfer = cp_steps * coll.point_to_point_s(kv_block, cp_bw, a.scale_up_latency_s)
+    # gradient accumulators, then one hop bringing the accumulators home
+    kv_hops = np.where(c > 1, (c - 1) * (2 + full) * layers, 0.0)
+    gradient_hops = np.where(c > 1, c * layers, 0.0)
+    cp_transfer = (kv_hops * coll.point_to_point_s(kv_block, cp_bw, a.scale_up_latency_s)
+                   + gradient_hops * coll.point_to_point_s(gradient_block, cp_bw, a.scale_up_latency_s))
     attention_time = (passes * attention_fwd) / peak
     cp_time = np.where(c > 1, np.maximum(0.0, cp_transfer - a.context_parallel_overlap * attention_time), 0.0)
-    cp_bytes = cp_steps * kv_block
+    cp_bytes = kv_hops * kv_block + gradient_hops * gradient_block
 
     # Pipeline: activations (gradients backward) cross each stage boundary once per microbatch.
     p2p_bytes = act_bytes / sp_shard

@@ -78,17 +78,22 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
     """A --tp/--pp/--cp/--ep run beside predict.training on the same layout: bytes each dimension sends per
     step on rank 0, the pipeline bubble (analytic vs executed timeline), and the step time when
     `hardware` is given. Bytes and bubble do not depend on the hardware: without one they are taken
-    from an fp32 prediction on a catalog system (DGX-H100), whose times are not shown."""
+    from a prediction at the run's dtype on a catalog system (DGX-H100), whose times are not shown."""
     from mlsyslab.specs import catalog
 
     spec = Model(**config.model)
+    # microbatches are the pipeline's: without PP each rank's share runs as one batch (parallel.mesh.composed_step)
+    micro_batch = config.micro_batch if config.pp > 1 else config.global_batch // config.data_parallel
     layout = Layout.of(dp=config.data_parallel, tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep,
                        zero=config.zero_stage,
-                       micro_batch=config.micro_batch,
+                       micro_batch=micro_batch,
                        global_batch=config.global_batch, seq=config.seq, schedule=config.schedule,
                        interleave=config.interleave)
-    carrier = hardware if hardware is not None else Hardware.of(*catalog.hardware("dgx-h100"), "fp32")
-    prediction = predict_training(spec, carrier, layout, assumptions=assumptions.override({"gradient_reduce_bytes": 4}))
+    width = 2 if config.bf16 else 4  # bytes of an activation and of a gradient on the wire
+    carrier = hardware if hardware is not None else Hardware.of(*catalog.hardware("dgx-h100"),
+                                                                "bf16" if config.bf16 else "fp32")
+    prediction = predict_training(spec, carrier, layout,
+                                  assumptions=assumptions.override({"gradient_reduce_bytes": width}))
     # EP: predict's dispatch and combine of every routed copy, balanced over the experts; the measured
     # bytes follow the actual routing (dropped copies stay home, an uneven split sends more or less)
     wire = {name: float(np.asarray(value).reshape(-1)[0]) for name, value in prediction.wire_bytes.items()
@@ -100,10 +105,10 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
         # (under ZeRO-2 and -3 each rank's slice of it, of a bucket or unit padded to a multiple of the DP ranks)
         elements = spec.vocab / config.tp * spec.hidden
         elements = -(-elements // config.data_parallel) if config.zero_stage >= 2 else elements
-        wire["pipeline_p2p"] += float(ring_all_reduce_bytes_per_rank(elements * 4, config.pp))
+        wire["pipeline_p2p"] += float(ring_all_reduce_bytes_per_rank(elements * width, config.pp))
     if config.cp > 1 and config.zero_stage == 0:  # every rank holds all the weights: their gradients are
         # summed over the CP group (under ZeRO they are reduced over DP × CP instead: predict's DP term)
-        wire["context_parallel"] += float(ring_all_reduce_bytes_per_rank(result["parameters"] * 4, config.cp))
+        wire["context_parallel"] += float(ring_all_reduce_bytes_per_rank(result["parameters"] * width, config.cp))
     measured_step = float(np.median(result["step_s"][1:] or result["step_s"])) if result["step_s"] else None
     report = {
         "wire_bytes_per_step": {name: _pair(wire[name], result["wire_bytes_per_step"].get(name, 0.0)) for name in wire},
@@ -119,10 +124,11 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
 def vocab_parallel_bytes(config, spec: Model, head: bool = True) -> float:
     """TP bytes per step outside the decoder layers, which predict.training (4 per layer) leaves out:
     the vocabulary-parallel embedding's all-reduce of b·s·h forward, and on the stage with the head,
-    its input-gradient all-reduce of b·s·h backward and the loss's three all-reduces of b·s fp32
-    (maximum, sum of exponentials, target logit) — per microbatch, ring volumes."""
+    its input-gradient all-reduce of b·s·h backward (in the run's dtype) and the loss's three all-reduces
+    of b·s fp32 (maximum, sum of exponentials, target logit) — per microbatch, ring volumes."""
     if config.tp == 1:
         return 0.0
     tokens = config.micro_batch * config.seq / config.cp
-    per_microbatch = tokens * spec.hidden * 4 + (tokens * spec.hidden * 4 + 3 * tokens * 4 if head else 0.0)
+    width = 2 if config.bf16 else 4
+    per_microbatch = tokens * spec.hidden * width + (tokens * spec.hidden * width + 3 * tokens * 4 if head else 0.0)
     return config.microbatches * float(ring_all_reduce_bytes_per_rank(per_microbatch, config.tp))
