@@ -286,3 +286,21 @@ def test_zero_along_data_parallel_inside_the_mesh(tiny, single_process_losses, s
     for dimension in ("tensor_parallel" if other == "--tp" else "context_parallel", "data_parallel"):
         assert wire[dimension]["predicted"] > 0
         assert wire[dimension]["measured"] == pytest.approx(wire[dimension]["predicted"])
+
+
+@pytest.mark.parametrize("layout", [  # CI time: TP (pure bf16 under DDP) and CP with -m slow
+    ("--pp", "2", "--micro-batch", "1", "--strategy", "zero2", "--offload"),
+    pytest.param(("--tp", "2"), marks=pytest.mark.slow),
+    pytest.param(("--cp", "2", "--strategy", "zero3", "--offload"), marks=pytest.mark.slow)])
+def test_bf16_inside_the_mesh_sends_what_predict_says(tiny, single_process_losses, layout):
+    """--bf16 on DP2 × PP2 (ZeRO-2, its master weights and Adam state offloaded), DP2 × TP2 and DP2 × CP2
+    (ZeRO-3, offloaded): one fp32 process's losses to bf16's rounding, and every dimension's bytes equal
+    predict's at the run's dtype: 2-byte activations, K/V and gradients, with CP's gradient accumulators
+    in fp32 (DP bytes under PP: up to predict pricing the heaviest stage)."""
+    report = _train_json(tiny, "--nproc", "4", "--dp", "2", *layout, "--bf16", "--steps", "3")
+    assert report["result"]["losses"] == pytest.approx(single_process_losses, rel=1e-4)
+    wire = report["predicted_vs_measured"]["wire_bytes_per_step"]
+    for dimension in ({"--pp": "pipeline_p2p", "--tp": "tensor_parallel", "--cp": "context_parallel"}[layout[0]],
+                      "data_parallel"):
+        assert wire[dimension]["predicted"] > 0
+        assert wire[dimension]["measured"] == pytest.approx(wire[dimension]["predicted"], rel=1e-4)

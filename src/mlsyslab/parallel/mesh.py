@@ -195,8 +195,10 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
 
 
 def prepare(model: Llama, mesh: MeshRanks, microbatches: int, schedule: str = "1f1b", interleave: int = 1,
-            logs: dict | None = None) -> tuple[Llama, PipelineRank | None]:
-    """Split `model` (the same full weights on every rank) by TP, then into this rank's pipeline stages."""
+            logs: dict | None = None, dtype: torch.dtype | None = None) -> tuple[Llama, PipelineRank | None]:
+    """Split `model` (the same full weights on every rank) by TP, then into this rank's pipeline stages.
+    `dtype`: what activations cross the pipeline in (default: the model's; bf16 for a model that
+    mixed-precision ZeRO casts after this)."""
     layout, logs = mesh.layout, logs or {}
     tp = TensorGroup(mesh.tp, logs.get("tensor_parallel"))
     if layout.tp > 1:
@@ -211,7 +213,7 @@ def prepare(model: Llama, mesh: MeshRanks, microbatches: int, schedule: str = "1
         return model, None
     loss = (lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp)) if layout.tp > 1 else None
     pipeline = PipelineRank(model, mesh.pp, build(schedule, layout.pp, microbatches, interleave),
-                            log=logs.get("pipeline_p2p"), loss=loss)
+                            log=logs.get("pipeline_p2p"), loss=loss, dtype=dtype)
     return model, pipeline
 
 

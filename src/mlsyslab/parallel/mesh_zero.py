@@ -27,7 +27,8 @@ class MeshZero:
     tied_gradient=tied_gradient))`: one step's forward, backward and optimizer step."""
 
     def __init__(self, model: nn.Module, module: nn.Module, mesh: MeshRanks, stage: int, optimizer_factory,
-                 bucket_bytes: int = 25_000_000, log: CommLog | None = None, tied: tuple = ()):
+                 bucket_bytes: int = 25_000_000, log: CommLog | None = None, tied: tuple = (),
+                 mixed_precision: bool = False, offload: bool = False):
         """`model`: the whole model (to find the experts); `module`: what this rank holds of it (its
         pipeline stages, or the model); `tied`: parameters two pipeline stages hold (`ZeroDataParallel`'s
         `alone`)."""
@@ -37,7 +38,7 @@ class MeshZero:
         groups = [(mesh.dcp, [p for p in held if id(p) not in experts], tied)]
         if experts:
             groups.append((mesh.edcp, [p for p in held if id(p) in experts], ()))
-        self.zeros = [ZeroDataParallel(module, rank, stage, optimizer_factory, bucket_bytes=bucket_bytes, log=log,
+        self.zeros = [ZeroDataParallel(module, rank, stage, optimizer_factory, mixed_precision, offload, bucket_bytes, log,
                                        alone=alone, parameters=parameters if experts else None,
                                        divisor=mesh.dcp.world_size)
                       for rank, parameters, alone in groups]

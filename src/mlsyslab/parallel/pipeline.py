@@ -81,7 +81,8 @@ RECEIVES_AHEAD = 4  # actions whose inputs are in flight at once: at most 3 buff
 class PipelineRank:
     """The chunks one rank holds and the schedule it follows."""
 
-    def __init__(self, model: Llama, rank: Rank, schedule: Schedule, log: CommLog | None = None, loss=None):
+    def __init__(self, model: Llama, rank: Rank, schedule: Schedule, log: CommLog | None = None, loss=None,
+                 dtype: torch.dtype | None = None):
         if schedule.stages != rank.world_size:
             raise InvalidValue("stages", schedule.stages, f"the {rank.world_size} ranks of the pipeline group")
         self.rank, self.schedule, self.wire = rank, schedule, Wire(rank, log)
@@ -90,7 +91,7 @@ class PipelineRank:
         self.chunks = nn.ModuleList(StageChunk(model, *bounds[schedule.virtual_stage(rank.rank, c)])
                                     for c in range(schedule.chunks))
         self.hidden, self.last_stage = model.config.hidden, schedule.stages * schedule.chunks - 1
-        self.dtype = model.norm.weight.dtype  # activations travel in the model's dtype
+        self.dtype = dtype or model.norm.weight.dtype  # what activations travel in: the model's by default
         self.peak_activations = 0  # microbatch-chunks held at once, as executed
         self.stashes = [WeightStash(chunk) for chunk in self.chunks] if schedule.name == "pipedream" else None
         self.last_spans: list = []  # the executed timeline of the latest step

@@ -20,8 +20,10 @@ Under --cp every ZeRO stage shards over the DP and CP ranks together (they hold 
 under --ep an MoE model's experts are sharded over the DP × CP ranks that hold the same experts.
 Under --pp, ZeRO-2 and -3 sum the tied embedding's gradient over the pipeline slice by slice (it has a
 bucket, or a unit, of its own on both stages). Checkpoints inside the mesh hold every rank's own part
-(`checkpoint.mesh_state`) and resume on the same layout. Not done yet: bf16 and offload inside the
-mesh — each is rejected before launch.
+(`checkpoint.mesh_state`) and resume on the same layout. --bf16 and --offload work there too: under ZeRO
+mixed precision (bf16 compute and wire, fp32 masters; CP's gradient accumulators stay fp32), under DDP
+bf16 weights. Without --pp each rank's share of the batch runs as one batch (--micro-batch splits it only
+for the pipeline; not done: gradient accumulation there).
 """
 
 import statistics
@@ -136,10 +138,6 @@ class TrainConfig:
 
     def _validate_mesh(self) -> None:
         """What the mesh trainer does not do yet, named before launch."""
-        for name in ("bf16", "offload"):
-            if getattr(self, name):
-                raise InvalidValue(name, True, "off when tp, pp, cp or ep > 1 or the model is MoE "
-                                               "(not built inside the mesh yet)")
         if self.schedule not in MESH_SCHEDULES:
             raise InvalidValue("schedule", self.schedule, ", ".join(MESH_SCHEDULES))
         if self.interleave > 1 and self.schedule != "interleaved":
@@ -248,16 +246,18 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
     torch.manual_seed(config.seed)
     logs = {dimension: CommLog() for dimension in ("tensor_parallel", "expert_parallel", "pipeline_p2p",
                                                     "context_parallel", "data_parallel")}
-    model = build_model(config, torch.float32)
+    model = build_model(config, torch.bfloat16 if config.bf16 and config.strategy == "ddp" else torch.float32)
     mesh = build_mesh(rank, config.layout)
-    model, pipeline = prepare(model, mesh, config.microbatches, config.schedule, config.interleave, logs)
+    model, pipeline = prepare(model, mesh, config.microbatches, config.schedule, config.interleave, logs,
+                              torch.bfloat16 if config.bf16 else torch.float32)
     module = pipeline.chunks if pipeline is not None else model
     held = list(module.parameters())
     adamw = lambda params: torch.optim.AdamW(params, lr=config.lr, weight_decay=0.1, foreach=False)  # noqa: E731
     zero = None
     if config.strategy != "ddp":
         tied = (model.embed_tokens.weight,) if pipeline is not None and model.config.tied_embeddings else ()
-        zero = MeshZero(model, module, mesh, config.zero_stage, adamw, config.bucket_bytes, logs["data_parallel"], tied)
+        zero = MeshZero(model, module, mesh, config.zero_stage, adamw, config.bucket_bytes, logs["data_parallel"], tied,
+                        mixed_precision=config.bf16, offload=config.offload)
     optimizer = adamw(held) if zero is None else None  # under ZeRO the wrappers own the optimizers
     zeros = zero.zeros if zero is not None else []
     state = lambda: checkpoint.mesh_state(rank, module, optimizer, zeros)  # noqa: E731
