@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from mlsyslab.errors import InvalidValue
+from mlsyslab.nn import cpu_kernels
+from mlsyslab.serve import sampling
 from mlsyslab.serve.engine import LLM, EngineConfig
 from mlsyslab.serve.sampling import SamplerInput, SamplingParams, sample
 from tests.serve.tiny import block_bytes, tiny_model
@@ -21,16 +23,45 @@ def frequencies(logits, draws=4000, **options):
     return torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1]).double() / draws
 
 
-def test_unfiltered_sampling_follows_the_softmax():
+@pytest.fixture(params=["kernel", "pytorch"])
+def unfiltered_path(request, monkeypatch):
+    """The unfiltered draw through nn/csrc's softmax_draw (where the C++ kernels build) or through PyTorch."""
+    if request.param == "kernel" and cpu_kernels.load() is None:
+        pytest.skip("C++ kernels not built here")
+    if request.param == "pytorch":
+        monkeypatch.setattr(sampling.cpu_kernels, "serves", lambda tensor: False)
+
+
+def test_unfiltered_sampling_follows_the_softmax(unfiltered_path):
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]])
     expected = torch.softmax(logits[0].double() / 0.7, -1)
     observed = frequencies(logits, temperature=0.7)
     assert (observed - expected).abs().max() < 0.03  # ~4 standard errors at 4000 draws
 
 
-def test_unfiltered_sampling_never_draws_an_impossible_token():
+def test_unfiltered_sampling_never_draws_an_impossible_token(unfiltered_path):
     logits = torch.tensor([[1.0, 2.0, float("-inf"), 0.5, float("-inf")]])
     assert set(frequencies(logits, temperature=1.0).nonzero().flatten().tolist()) == {0, 1, 3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_draws_the_token_whose_interval_of_the_softmax_cdf_holds_the_uniform(dtype):
+    """softmax_draw (nn/csrc), 48 rows of a 49k vocabulary at temperatures 0.5, 1 and 2, a fifth of the
+    tokens ruled out (-inf): a uniform in the middle of a token's interval of the float64 CDF (tokens of
+    probability >= 1e-4, far from rounding) draws that token; a uniform of 0, the first possible token."""
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("C++ kernels not built here")
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(48, 49152, generator=generator) * 3).to(dtype)
+    logits[:, ::5] = float("-inf")
+    temperature = torch.tensor([0.5, 1.0, 2.0]).repeat(16)
+    probs = torch.softmax(logits.double() / temperature[:, None].double(), dim=-1)
+    wanted = torch.multinomial((probs >= 1e-4).double(), 1, generator=generator)[:, 0]
+    before = probs.cumsum(-1).gather(-1, wanted[:, None])[:, 0] - probs.gather(-1, wanted[:, None])[:, 0]
+    uniform = before + probs.gather(-1, wanted[:, None])[:, 0] / 2
+    assert torch.equal(kernels.softmax_draw(logits, temperature, uniform), wanted)
+    assert (kernels.softmax_draw(logits, temperature, torch.zeros(48, dtype=torch.float64)) == 1).all()
 
 
 def test_top_k_top_p_min_p_restrict_the_support():

@@ -11,6 +11,8 @@
   decode steps, on a tiled copy of the weight (`nn.packed_linear`).
 - `streamed_decode` (csrc/streamed_decode.cpp): a whole decode step, logits included, in one parallel
   region, when every matrix takes the streamed kernel; used by `nn.fused_decode`.
+- `softmax_draw` (csrc/softmax_draw.cpp): one token per row from softmax(logits / T) by inverse CDF;
+  used by `serve.sampling` for the rows that sample without top-k / top-p / min-p.
 
 The kernels are compiled at first use with `torch.utils.cpp_extension.load` (g++ and ninja; ~15 s
 here) into the torch extensions cache and loaded in well under a second afterwards. They are built
