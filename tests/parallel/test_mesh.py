@@ -124,7 +124,7 @@ def test_expert_parallel_inside_data_parallel_equals_the_single_process_run(layo
     inside one CP index, the expert gradients summed over CP and then over the EDP ranks), under
     PP, where each microbatch is routed on its own and each stage adds its layers' balancing loss, and on
     DP2 (EP2) × TP2, each TP rank's slice of the experts exchanged with the EP rank of its TP index."""
-    shards = layout.dp * (MICROBATCHES if layout.pp > 1 else 1)
+    shards = layout.dp * MICROBATCHES  # each rank routes each of its microbatches on its own
     reference = _moe_single_process(shards, layout.cp)
     for losses in spawn(_composed, layout.dp * layout.cp * layout.pp * layout.tp, layout, MOE, timeout_s=300):
         assert losses == pytest.approx(reference, rel=1e-9)
@@ -151,7 +151,7 @@ def test_zero_with_expert_parallelism_equals_the_single_process_run(layout, stag
     holding the same experts (2 of DP4 (EP2); 2 of DP2 (EP2) × CP2, one per CP index), every gradient
     divided by the DP × CP size — under SGD, whose losses show a gradient off by a constant factor (an fp32
     model: a looser tolerance than the float64 runs above)."""
-    shards = layout.dp * (MICROBATCHES if layout.pp > 1 else 1)
+    shards = layout.dp * MICROBATCHES  # each rank routes each of its microbatches on its own
     reference = _moe_single_process(shards, layout.cp, _sgd)
     for losses in spawn(_composed_with_zero, layout.dp * layout.cp * layout.pp, layout, stage, timeout_s=300):
         assert losses == pytest.approx(reference, rel=1e-5)
@@ -166,7 +166,7 @@ def test_mixed_precision_zero_on_the_mesh_follows_the_single_process_run(layout,
     the first 6 losses stay within 5e-4 of the float64 run's (measured: 1.3e-4 at most; bf16's rounding
     then grows chaotically, to ~7e-3 by step 10). Gradients divided by twice the DP × CP size were off by
     1e-3 at step 3 and 3.5e-3 at step 4."""
-    shards = layout.dp * (MICROBATCHES if layout.pp > 1 else 1)
+    shards = layout.dp * MICROBATCHES  # each rank routes each of its microbatches on its own
     reference = _moe_single_process(shards, layout.cp, _sgd)
     for losses in spawn(_composed_with_zero, layout.dp * layout.cp * layout.pp * layout.tp, layout, stage, True,
                         timeout_s=300):

@@ -139,8 +139,9 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
                   reduce_data_parallel: bool = True, tied_gradient=None) -> float:
     """Forward and backward of this rank's share of a global batch; returns the global mean loss.
 
-    `inputs`/`targets` are the global batch [B, s]; DP takes rows, CP takes zig-zag columns, PP splits
-    the DP share into `microbatches`. Gradients end summed over CP and averaged over DP on every rank
+    `inputs`/`targets` are the global batch [B, s]; DP takes rows, CP takes zig-zag columns, and the DP
+    share runs as `microbatches` (the pipeline's under PP; otherwise one after the other, their gradients
+    accumulating: an MoE model routes each on its own, as under DP). Gradients end summed over CP and averaged over DP on every rank
     — unless `reduce_data_parallel` is False: then the caller's ZeRO averages them over DP × CP
     (`MeshRanks.dcp`, as Megatron's distributed optimizer), and each CP rank's gradients are those of
     cp × its share of the loss, so that the mean over DP × CP is the DP mean of the CP sums. An MoE
@@ -157,33 +158,13 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
         dist.all_reduce(loss, group=mesh.pp.group)  # only the last stage had it
         if model.config.tied_embeddings:
             _sum_tied_embedding_gradient(model, mesh.pp, logs.get("pipeline_p2p"), tied_gradient)
-    elif layout.cp > 1:
-        everyone = zigzag_layout(inputs.shape[1], layout.cp)
-        positions = everyone[mesh.cp.rank]
-        wire = Wire(mesh.cp, logs.get("context_parallel"))
-        hidden = model.hidden_states(rows[0][:, positions], positions.expand(rows[0].shape[0], -1),
-                                     lambda layer, q, k, v: ring_attention(wire, q, k, v, everyone))
-        logits = model.lm_head(hidden)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        local = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[1][:, positions].reshape(-1),
-                                reduction="sum") / rows[1].numel()
-        balance = load_balancing_loss(model)  # over this rank's tokens: the CP ranks' mean joins the loss
-        if balance is not None:
-            local = local + AUX_LOSS_WEIGHT * balance / layout.cp
-        (local if reduce_data_parallel else layout.cp * local).backward()
-        loss = local.detach().clone()
-        dist.all_reduce(loss, group=mesh.cp.group)
-        if reduce_data_parallel:
-            _all_reduce_gradients(model.parameters(), mesh.cp, divisor=1, log=logs.get("context_parallel"))
-    else:
-        logits = model(rows[0])
-        loss = vocab_parallel_cross_entropy(logits, rows[1], TensorGroup(mesh.tp, logs.get("tensor_parallel"))) \
-            if layout.tp > 1 else mean_cross_entropy(logits, rows[1])
-        balance = load_balancing_loss(model)
-        if balance is not None:
-            loss = loss + AUX_LOSS_WEIGHT * balance
-        loss.backward()
-        loss = loss.detach()
+    else:  # the rows in microbatches whose gradients accumulate
+        loss = sum(_microbatch_backward(model, mesh, x, y, microbatches, logs, reduce_data_parallel)
+                   for x, y in zip(rows[0].chunk(microbatches), rows[1].chunk(microbatches)))
+        if layout.cp > 1:
+            dist.all_reduce(loss, group=mesh.cp.group)
+            if reduce_data_parallel:
+                _all_reduce_gradients(model.parameters(), mesh.cp, divisor=1, log=logs.get("context_parallel"))
     if reduce_data_parallel:
         experts = expert_parameters(model)
         _all_reduce_gradients([p for p in model.parameters() if id(p) not in experts], mesh.dp, divisor=layout.dp,
@@ -192,6 +173,35 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
                               log=logs.get("data_parallel"))
     dist.all_reduce(loss, group=mesh.dp.group)
     return loss.item() / layout.dp
+
+
+def _microbatch_backward(model: Llama, mesh: MeshRanks, x: torch.Tensor, y: torch.Tensor, microbatches: int,
+                         logs: dict, reduce_data_parallel: bool) -> torch.Tensor:
+    """Forward and backward of one of a rank's `microbatches` (without PP): its loss over 1/microbatches of the
+    rank's rows; under CP this rank's zig-zag share of each sequence through ring attention (its loss
+    summed over its tokens, over the microbatch's; with ZeRO, cp × that: see `composed_step`), under TP
+    the vocabulary-parallel loss; an MoE model adds its load-balancing loss. Returns the detached share."""
+    layout = mesh.layout
+    if layout.cp > 1:
+        everyone = zigzag_layout(x.shape[1], layout.cp)
+        positions = everyone[mesh.cp.rank]
+        wire = Wire(mesh.cp, logs.get("context_parallel"))
+        hidden = model.hidden_states(x[:, positions], positions.expand(x.shape[0], -1),
+                                     lambda layer, q, k, v: ring_attention(wire, q, k, v, everyone))
+        logits = model.lm_head(hidden)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[:, positions].reshape(-1),
+                               reduction="sum") / y.numel()
+    else:
+        logits = model(x)
+        loss = vocab_parallel_cross_entropy(logits, y, TensorGroup(mesh.tp, logs.get("tensor_parallel"))) \
+            if layout.tp > 1 else mean_cross_entropy(logits, y)
+    balance = load_balancing_loss(model)  # over this rank's tokens: under CP the CP ranks' mean joins the loss
+    if balance is not None:
+        loss = loss + AUX_LOSS_WEIGHT * balance / layout.cp
+    loss = loss / microbatches
+    (loss if reduce_data_parallel else layout.cp * loss).backward()
+    return loss.detach()
 
 
 def prepare(model: Llama, mesh: MeshRanks, microbatches: int, schedule: str = "1f1b", interleave: int = 1,

@@ -22,8 +22,8 @@ Under --pp, ZeRO-2 and -3 sum the tied embedding's gradient over the pipeline sl
 bucket, or a unit, of its own on both stages). Checkpoints inside the mesh hold every rank's own part
 (`checkpoint.mesh_state`) and resume on the same layout. --bf16 and --offload work there too: under ZeRO
 mixed precision (bf16 compute and wire, fp32 masters; CP's gradient accumulators stay fp32), under DDP
-bf16 weights. Without --pp each rank's share of the batch runs as one batch (--micro-batch splits it only
-for the pipeline; not done: gradient accumulation there).
+bf16 weights. With or without --pp each rank's share runs as --micro-batch-sized microbatches whose
+gradients accumulate.
 """
 
 import statistics

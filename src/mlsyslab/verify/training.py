@@ -82,11 +82,9 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
     from mlsyslab.specs import catalog
 
     spec = Model(**config.model)
-    # microbatches are the pipeline's: without PP each rank's share runs as one batch (parallel.mesh.composed_step)
-    micro_batch = config.micro_batch if config.pp > 1 else config.global_batch // config.data_parallel
     layout = Layout.of(dp=config.data_parallel, tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep,
                        zero=config.zero_stage,
-                       micro_batch=micro_batch,
+                       micro_batch=config.micro_batch,
                        global_batch=config.global_batch, seq=config.seq, schedule=config.schedule,
                        interleave=config.interleave)
     width = 2 if config.bf16 else 4  # bytes of an activation and of a gradient on the wire
