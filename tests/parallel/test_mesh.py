@@ -116,9 +116,10 @@ def test_composed_losses_equal_the_single_process_run(layout, world):
         assert losses == pytest.approx(reference, rel=1e-9)
 
 
-@pytest.mark.parametrize("layout", [MeshLayout(dp=4, ep=2), MeshLayout(dp=2, ep=2), MeshLayout(cp=2),
-                                    MeshLayout(dp=2, ep=2, cp=2), MeshLayout(pp=2), MeshLayout(dp=2, ep=2, pp=2),
-                                    MeshLayout(dp=2, ep=2, tp=2)])
+@pytest.mark.parametrize("layout", [  # CI time: DP2 (EP2) and PP2 alone, inside the layouts after them, with -m slow
+    MeshLayout(dp=4, ep=2), pytest.param(MeshLayout(dp=2, ep=2), marks=pytest.mark.slow), MeshLayout(cp=2),
+    MeshLayout(dp=2, ep=2, cp=2), pytest.param(MeshLayout(pp=2), marks=pytest.mark.slow),
+    MeshLayout(dp=2, ep=2, pp=2), MeshLayout(dp=2, ep=2, tp=2)])
 def test_expert_parallel_inside_data_parallel_equals_the_single_process_run(layout):
     """An MoE model on DP × EP, on CP alone, on DP2 (EP2) × CP2 (8 ranks: each EP pair exchanges tokens
     inside one CP index, the expert gradients summed over CP and then over the EDP ranks), under

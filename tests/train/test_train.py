@@ -151,8 +151,9 @@ def test_mesh_checkpoint_resumes_bitwise(tiny, tmp_path, layout):
     assert resumed["first_step"] == 2 and resumed["losses"] == reference[2:]
 
 
-@pytest.mark.parametrize("strategy, extra", [  # CI time: ZeRO-1's states and bytes also in tests/parallel/test_zero.py
-    ("ddp", []), pytest.param("zero1", [], marks=pytest.mark.slow), ("zero3", ["--offload"]), ("zero2", ["--bf16"])])
+@pytest.mark.parametrize("strategy, extra", [  # CI time: DDP's and ZeRO-1's bytes also in tests/parallel/
+    pytest.param("ddp", [], marks=pytest.mark.slow), pytest.param("zero1", [], marks=pytest.mark.slow),
+    ("zero3", ["--offload"]), ("zero2", ["--bf16"])])
 def test_report_holds_states_and_wire_equal_to_predict(tiny, strategy, extra):
     report = _train_json(tiny, "--strategy", strategy, "--steps", "2", *extra)["predicted_vs_measured"]
     for category in ("weights", "gradients", "optimizer", "host_offload"):
@@ -238,15 +239,20 @@ def test_moe_with_tensor_and_expert_parallel_sends_what_predict_says(moe):
 def test_zero_for_an_moe_model_equals_its_ddp_run(moe, moe_ddp_losses):
     """ZeRO-3 on an MoE model (every rank holds every expert: ep = 1): DDP's losses, and the DP bytes
     predict states. (An expert no token reached still gets a zero gradient, so every rank reduces the
-    same buckets in the same order.) With --ep 2 on DP4, ZeRO-2 shards the dense weights over the 4
-    ranks and each expert over the 2 that hold it: the DP bytes predict states for the two groups (the
-    losses, and ZeRO-1/3 with EP: tests/parallel/test_mesh.py)."""
+    same buckets in the same order.)"""
     report = _train_json(moe, "--steps", "3", "--strategy", "zero3")
     assert report["result"]["losses"] == pytest.approx(moe_ddp_losses, rel=1e-6)
     wire = report["predicted_vs_measured"]["wire_bytes_per_step"]["data_parallel"]
     assert wire["measured"] == pytest.approx(wire["predicted"])
+
+
+@pytest.mark.slow  # CI time (a 4-rank run); the losses of ZeRO with EP stay in the default run (tests/parallel/test_mesh.py)
+def test_zero_with_expert_parallelism_sends_what_predict_says(moe):
+    """With --ep 2 on DP4, ZeRO-2 shards the dense weights over the 4 ranks and each expert over the 2
+    that hold it: the DP bytes predict states for the two groups, reduce-scattered for each of the two
+    microbatches."""
     report = _train_json(moe, "--nproc", "4", "--global-batch", "8", "--dp", "4", "--ep", "2", "--steps", "3",
-                         "--strategy", "zero2")
+                         "--micro-batch", "1", "--strategy", "zero2")
     wire = report["predicted_vs_measured"]["wire_bytes_per_step"]
     assert wire["data_parallel"]["measured"] == pytest.approx(wire["data_parallel"]["predicted"])
     assert 0.5 < wire["expert_parallel"]["measured"] / wire["expert_parallel"]["predicted"] < 1.5, wire
@@ -275,12 +281,14 @@ def test_zero_with_pipeline_parallelism(tiny, single_process_losses, strategy):
     pytest.param("zero1", "--cp", marks=pytest.mark.slow), pytest.param("zero2", "--cp", marks=pytest.mark.slow),
     ("zero3", "--cp")])
 def test_zero_along_data_parallel_inside_the_mesh(tiny, single_process_losses, strategy, other):
-    """DP2 × TP2 and DP2 × CP2 on 4 ranks with ZeRO: one process's losses, and the bytes predict states
-    (gradients reduce-scattered once per step, the updated weights all-gathered; ZeRO-3 gathers the
-    weights for forward and again for backward instead). Under CP, ZeRO shards over the 4 DP × CP
-    ranks (they hold the same weights) and the CP ring carries only K/V."""
+    """DP2 × TP2 and DP2 × CP2 on 4 ranks with ZeRO, two microbatches a rank: one process's losses, and the
+    bytes predict states (ZeRO-1 reduce-scatters the gradients once per step, ZeRO-2 once per microbatch,
+    then the updated weights are all-gathered; ZeRO-3 gathers the weights for every microbatch's forward
+    and backward instead). Under CP, ZeRO shards over the 4 DP × CP ranks (they hold the same weights) and
+    the CP ring carries only K/V."""
     reference = single_process_losses
-    report = _train_json(tiny, "--nproc", "4", other, "2", "--dp", "2", "--strategy", strategy, "--steps", "3")
+    report = _train_json(tiny, "--nproc", "4", other, "2", "--dp", "2", "--micro-batch", "1", "--strategy", strategy,
+                         "--steps", "3")
     assert report["result"]["losses"] == pytest.approx(reference, rel=1e-5)
     wire = report["predicted_vs_measured"]["wire_bytes_per_step"]
     for dimension in ("tensor_parallel" if other == "--tp" else "context_parallel", "data_parallel"):
