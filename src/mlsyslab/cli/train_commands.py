@@ -25,7 +25,8 @@ def train_command(
     global_batch: Annotated[int, typer.Option("--global-batch", help="sequences per step, all ranks")] = 8,
     micro_batch: Annotated[Optional[int], typer.Option("--micro-batch", help="sequences per microbatch per rank")] = None,
     lr: Annotated[float, typer.Option(help="AdamW learning rate")] = 3e-4,
-    bf16: Annotated[bool, typer.Option("--bf16", help="bf16 compute and communication: fp32 master weights under ZeRO, bf16 weights under DDP")] = False,
+    bf16: Annotated[bool, typer.Option("--bf16", help="bf16 compute and communication: fp32 master weights "
+                                                      "under ZeRO, bf16 weights under DDP")] = False,
     offload: Annotated[bool, typer.Option("--offload", help="optimizer state and step on the CPU (ZeRO)")] = False,
     checkpoint_dir: Annotated[Optional[Path], typer.Option("--checkpoint-dir", help="where checkpoints go")] = None,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="steps between checkpoints (0: at the end)")] = 0,

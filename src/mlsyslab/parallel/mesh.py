@@ -142,10 +142,11 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
     `inputs`/`targets` are the global batch [B, s]; DP takes rows, CP takes zig-zag columns, and the DP
     share runs as `microbatches` (the pipeline's under PP; otherwise one after the other, their gradients
     accumulating: an MoE model routes each on its own, as under DP). Gradients end summed over CP and
-    averaged over DP on every rank — unless `reduce_data_parallel` is False: then the caller's ZeRO averages them over DP × CP
-    (`MeshRanks.dcp`, as Megatron's distributed optimizer), and each CP rank's gradients are those of
-    cp × its share of the loss, so that the mean over DP × CP is the DP mean of the CP sums. An MoE
-    model's loss includes `AUX_LOSS_WEIGHT` times its load-balancing loss (over each rank's own tokens).
+    averaged over DP on every rank — unless `reduce_data_parallel` is False: then the caller's ZeRO
+    averages them over DP × CP (`MeshRanks.dcp`, as Megatron's distributed optimizer), and each CP rank's
+    gradients are those of cp × its share of the loss, so that the mean over DP × CP is the DP mean of the
+    CP sums. An MoE model's loss includes `AUX_LOSS_WEIGHT` times its load-balancing loss (over each rank's
+    own tokens).
     `tied_gradient()`, under PP with ZeRO-2 or -3 (whose backward leaves only this rank's slice of each
     gradient, `ZeroDataParallel.shard_gradient`; under ZeRO-3 the module holds no weight to ask): the
     tensor to sum over the pipeline for the tied embedding, its slice, summed slice by slice.

@@ -38,8 +38,8 @@ class MeshZero:
         groups = [(mesh.dcp, [p for p in held if id(p) not in experts], tied)]
         if experts:
             groups.append((mesh.edcp, [p for p in held if id(p) in experts], ()))
-        self.zeros = [ZeroDataParallel(module, rank, stage, optimizer_factory, mixed_precision, offload, bucket_bytes, log,
-                                       alone=alone, parameters=parameters if experts else None,
+        self.zeros = [ZeroDataParallel(module, rank, stage, optimizer_factory, mixed_precision, offload,
+                                       bucket_bytes, log, alone=alone, parameters=parameters if experts else None,
                                        divisor=mesh.dcp.world_size)
                       for rank, parameters, alone in groups]
         if log is not None:
