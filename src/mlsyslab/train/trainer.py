@@ -246,10 +246,10 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
     torch.manual_seed(config.seed)
     logs = {dimension: CommLog() for dimension in ("tensor_parallel", "expert_parallel", "pipeline_p2p",
                                                     "context_parallel", "data_parallel")}
-    model = build_model(config, torch.bfloat16 if config.bf16 and config.strategy == "ddp" else torch.float32)
+    compute = torch.bfloat16 if config.bf16 else torch.float32  # ZeRO casts its weights to it (mixed precision)
+    model = build_model(config, compute if config.strategy == "ddp" else torch.float32)
     mesh = build_mesh(rank, config.layout)
-    model, pipeline = prepare(model, mesh, config.microbatches, config.schedule, config.interleave, logs,
-                              torch.bfloat16 if config.bf16 else torch.float32)
+    model, pipeline = prepare(model, mesh, config.microbatches, config.schedule, config.interleave, logs, compute)
     module = pipeline.chunks if pipeline is not None else model
     held = list(module.parameters())
     adamw = lambda params: torch.optim.AdamW(params, lr=config.lr, weight_decay=0.1, foreach=False)  # noqa: E731

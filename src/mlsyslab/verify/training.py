@@ -18,7 +18,13 @@ from mlsyslab.predict.hardware import Hardware
 from mlsyslab.predict.layout import Layout
 from mlsyslab.predict.memory import activation_bytes_per_layer, model_state_bytes, offloaded_optimizer_bytes
 from mlsyslab.predict.training import predict_training
-from mlsyslab.specs.schema import Model
+from mlsyslab.specs.schema import DTYPE_BYTES, Model
+
+
+def run_dtype(config) -> tuple[str, float]:
+    """The run's compute dtype (--bf16 or fp32) and its bytes per element."""
+    dtype = "bf16" if config.bf16 else "fp32"
+    return dtype, DTYPE_BYTES[dtype]
 
 
 def predicted_wire_bytes(strategy: str, padded_params: int, world: int, microbatches: int, element_bytes: int) -> dict:
@@ -34,8 +40,7 @@ def predicted_wire_bytes(strategy: str, padded_params: int, world: int, microbat
 def compare_training(config, result: dict, hardware: Hardware | None = None,
                      assumptions: Assumptions = DEFAULT) -> dict:
     spec = Model(**config.model)
-    dtype = "bf16" if config.bf16 else "fp32"
-    width = 2 if config.bf16 else 4
+    dtype, width = run_dtype(config)
     stage, padded = config.zero_stage, result["padded_parameters"]
     weights, gradients, optimizer = model_state_bytes(padded, config.nproc, stage, "adam", dtype, config.offload)
     host = offloaded_optimizer_bytes(padded, config.nproc, stage) if config.offload else 0.0
@@ -87,9 +92,8 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
                        micro_batch=config.micro_batch,
                        global_batch=config.global_batch, seq=config.seq, schedule=config.schedule,
                        interleave=config.interleave)
-    width = 2 if config.bf16 else 4  # bytes of an activation and of a gradient on the wire
-    carrier = hardware if hardware is not None else Hardware.of(*catalog.hardware("dgx-h100"),
-                                                                "bf16" if config.bf16 else "fp32")
+    dtype, width = run_dtype(config)  # width: the bytes of an activation and of a gradient on the wire
+    carrier = hardware if hardware is not None else Hardware.of(*catalog.hardware("dgx-h100"), dtype)
     prediction = predict_training(spec, carrier, layout,
                                   assumptions=assumptions.override({"gradient_reduce_bytes": width}))
     # EP: predict's dispatch and combine of every routed copy, balanced over the experts; the measured
@@ -127,6 +131,6 @@ def vocab_parallel_bytes(config, spec: Model, head: bool = True) -> float:
     if config.tp == 1:
         return 0.0
     tokens = config.micro_batch * config.seq / config.cp
-    width = 2 if config.bf16 else 4
+    width = run_dtype(config)[1]
     per_microbatch = tokens * spec.hidden * width + (tokens * spec.hidden * width + 3 * tokens * 4 if head else 0.0)
     return config.microbatches * float(ring_all_reduce_bytes_per_rank(per_microbatch, config.tp))
