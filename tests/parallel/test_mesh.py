@@ -1,5 +1,5 @@
 """Parallelisms composed on a mesh: the first 10 losses of DP2 × PP2 × TP2 (8 ranks), of DP2 × CP2
-(4 ranks) and of an MoE model on DP × EP, CP, and DP2 (EP2) × CP2 (8 ranks) equal the single-process
+(4 ranks) and of an MoE model on DP × EP, CP, and DP2 (EP2) × CP2 (4 ranks) equal the single-process
 run's, and so do an MoE model's under ZeRO with EP; impossible layouts are rejected with the reason."""
 
 import copy
@@ -116,12 +116,14 @@ def test_composed_losses_equal_the_single_process_run(layout, world):
         assert losses == pytest.approx(reference, rel=1e-9)
 
 
-@pytest.mark.parametrize("layout", [  # CI time: DP2 (EP2) and PP2 alone, inside the layouts after them, with -m slow
+@pytest.mark.parametrize("layout", [  # CI time with -m slow: DP2 (EP2) and PP2 alone, inside the layouts after
+    # them, and DP2 (EP2) x CP2 (also under ZeRO-3 in the default run: test_zero_with_expert_parallelism...)
     MeshLayout(dp=4, ep=2), pytest.param(MeshLayout(dp=2, ep=2), marks=pytest.mark.slow), MeshLayout(cp=2),
-    MeshLayout(dp=2, ep=2, cp=2), pytest.param(MeshLayout(pp=2), marks=pytest.mark.slow),
+    pytest.param(MeshLayout(dp=2, ep=2, cp=2), marks=pytest.mark.slow),
+    pytest.param(MeshLayout(pp=2), marks=pytest.mark.slow),
     MeshLayout(dp=2, ep=2, pp=2), MeshLayout(dp=2, ep=2, tp=2)])
 def test_expert_parallel_inside_data_parallel_equals_the_single_process_run(layout):
-    """An MoE model on DP × EP, on CP alone, on DP2 (EP2) × CP2 (8 ranks: each EP pair exchanges tokens
+    """An MoE model on DP × EP, on CP alone, on DP2 (EP2) × CP2 (4 ranks: each EP pair exchanges tokens
     inside one CP index, the expert gradients summed over CP and then over the EDP ranks), under
     PP, where each microbatch is routed on its own and each stage adds its layers' balancing loss, and on
     DP2 (EP2) × TP2, each TP rank's slice of the experts exchanged with the EP rank of its TP index."""

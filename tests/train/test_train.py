@@ -213,6 +213,7 @@ def test_moe_with_context_parallel_sends_what_predict_says(moe):
     assert 0.5 < wire["expert_parallel"]["measured"] / wire["expert_parallel"]["predicted"] < 1.5, wire
 
 
+@pytest.mark.slow  # CI time (two runs); DP2 (EP2) x TP2 losses stay in the default run (tests/parallel/test_mesh.py)
 def test_moe_with_tensor_parallel_equals_one_process(moe):
     """An MoE model on TP2: every expert split over the two ranks, the losses of one process (which
     routes the same tokens), and the TP bytes predict states: the dense layers' plus each MoE layer's
