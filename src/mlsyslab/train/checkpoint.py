@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from mlsyslab.comm.launch import Rank
 from mlsyslab.errors import InvalidValue
@@ -31,6 +30,8 @@ def save(directory: str, step: int, rank: Rank, state: dict) -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier(group=rank.group)
+    import torch.distributed.checkpoint as dcp  # here, not at the top: its import (DTensor's) costs every rank ~1 s
+
     dcp.save(state, checkpoint_id=str(partial))
     dist.barrier(group=rank.group)
     if rank.rank == 0:
@@ -48,6 +49,8 @@ def load_latest(directory: str, optimizers: list, state: Callable[[], dict]) -> 
         return 0
     for optimizer in optimizers:
         _allocate_adam_state(optimizer)
+    import torch.distributed.checkpoint as dcp
+
     dcp.load(state(), checkpoint_id=str(complete[-1]))
     return int(complete[-1].name.split("_")[1])
 

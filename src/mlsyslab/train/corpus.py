@@ -58,8 +58,9 @@ def corpus_tokens(cache_dir: Path) -> torch.Tensor:
 
 
 def tokenizer_vocab() -> int:
-    from transformers import AutoTokenizer
-
+    """Ids the corpus's tokenizer can produce, added tokens included (`len(AutoTokenizer)`, without its
+    ~5 s of import and load on every `mlsys train`)."""
     from mlsyslab.nn.pretrained import resolve_folder
+    from mlsyslab.nn.tokenizer import Tokenizer
 
-    return len(AutoTokenizer.from_pretrained(str(resolve_folder("default"))))
+    return Tokenizer(resolve_folder("default")).vocab_size
