@@ -85,7 +85,7 @@ def _compare(rank, world):
     return problems
 
 
-@pytest.mark.parametrize("world", [2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])  # CI time: 8 ranks, 14 s
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_collectives_equal_torch_distributed(world):
     problems = spawn(_compare, world, world, timeout_s=120)
     assert [p for rank in problems for p in rank] == []

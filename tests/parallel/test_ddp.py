@@ -38,7 +38,7 @@ def assert_close_to(a: dict, b: dict, relative: float = 1e-6):
         assert error <= relative, (name, error.item())
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # CI time: 4 ranks with -m slow
+@pytest.mark.parametrize("world", [2, 4])
 def test_ddp_equals_single_process_and_torch_ddp(world):
     reference, reference_losses = train_single(STEPS, adam, ACCUMULATE)
     runs = spawn(_train_both, world)

@@ -116,11 +116,8 @@ def test_composed_losses_equal_the_single_process_run(layout, world):
         assert losses == pytest.approx(reference, rel=1e-9)
 
 
-@pytest.mark.parametrize("layout", [  # CI time with -m slow: DP2 (EP2) and PP2 alone, inside the layouts after
-    # them, and DP2 (EP2) x CP2 (also under ZeRO-3 in the default run: test_zero_with_expert_parallelism...)
-    MeshLayout(dp=4, ep=2), pytest.param(MeshLayout(dp=2, ep=2), marks=pytest.mark.slow), MeshLayout(cp=2),
-    pytest.param(MeshLayout(dp=2, ep=2, cp=2), marks=pytest.mark.slow),
-    pytest.param(MeshLayout(pp=2), marks=pytest.mark.slow),
+@pytest.mark.parametrize("layout", [
+    MeshLayout(dp=4, ep=2), MeshLayout(dp=2, ep=2), MeshLayout(cp=2), MeshLayout(dp=2, ep=2, cp=2), MeshLayout(pp=2),
     MeshLayout(dp=2, ep=2, pp=2), MeshLayout(dp=2, ep=2, tp=2)])
 def test_expert_parallel_inside_data_parallel_equals_the_single_process_run(layout):
     """An MoE model on DP × EP, on CP alone, on DP2 (EP2) × CP2 (4 ranks: each EP pair exchanges tokens
@@ -145,10 +142,9 @@ def _composed_with_zero(rank, layout, stage, mixed_precision=False):
         tied_gradient=tied_gradient)) for step in range(STEPS)]
 
 
-@pytest.mark.parametrize("layout, stage", [  # CI time: ZeRO-1, ZeRO-3 on DP4 (EP2) and ZeRO-2 under PP with -m slow
-    pytest.param(MeshLayout(dp=4, ep=2), 1, marks=pytest.mark.slow), (MeshLayout(dp=4, ep=2), 2),
-    pytest.param(MeshLayout(dp=4, ep=2), 3, marks=pytest.mark.slow), (MeshLayout(dp=2, ep=2, cp=2), 3),
-    pytest.param(MeshLayout(dp=2, ep=2, pp=2), 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout, stage", [
+    (MeshLayout(dp=4, ep=2), 1), (MeshLayout(dp=4, ep=2), 2), (MeshLayout(dp=4, ep=2), 3),
+    (MeshLayout(dp=2, ep=2, cp=2), 3), (MeshLayout(dp=2, ep=2, pp=2), 2)])
 def test_zero_with_expert_parallelism_equals_the_single_process_run(layout, stage):
     """ZeRO on an MoE model with EP: the dense weights sharded over DP × CP, the experts over the ranks
     holding the same experts (2 of DP4 (EP2); 2 of DP2 (EP2) × CP2, one per CP index), every gradient
@@ -160,9 +156,8 @@ def test_zero_with_expert_parallelism_equals_the_single_process_run(layout, stag
         assert losses == pytest.approx(reference, rel=1e-5)
 
 
-@pytest.mark.parametrize("layout, stage", [  # CI time: CP and TP with -m slow
-    (MeshLayout(dp=2, ep=2, pp=2), 2), pytest.param(MeshLayout(dp=2, ep=2, cp=2), 3, marks=pytest.mark.slow),
-    pytest.param(MeshLayout(dp=2, ep=2, tp=2), 1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout, stage", [
+    (MeshLayout(dp=2, ep=2, pp=2), 2), (MeshLayout(dp=2, ep=2, cp=2), 3), (MeshLayout(dp=2, ep=2, tp=2), 1)])
 def test_mixed_precision_zero_on_the_mesh_follows_the_single_process_run(layout, stage):
     """bf16 compute (activations across the pipeline, K/V around the CP ring, tokens through EP's
     all-to-all, TP's all-reduces, gradients reduce-scattered in bf16) with fp32 master weights: under SGD

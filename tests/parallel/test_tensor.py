@@ -117,7 +117,7 @@ def _compare_moe(rank, sequence_parallel):
     return errors, log.as_dict(), moe.last_routing.expert.numel()
 
 
-@pytest.mark.parametrize("world, sequence_parallel", [(2, False), (2, True), pytest.param(4, False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world, sequence_parallel", [(2, False), (2, True), (4, False)])
 def test_tensor_parallel_moe_equals_single_process(world, sequence_parallel):
     results = spawn(_compare_moe, world, sequence_parallel)
     for errors, log, kept in results:

@@ -66,7 +66,7 @@ def _all(rank, accumulate):
     return [_train(rank, *config, accumulate) for config in CONFIGS]
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # CI time: 4 ranks with -m slow
+@pytest.mark.parametrize("world", [2, 4])
 def test_zero_stages_follow_the_reference_and_hold_predicted_bytes(world):
     reference, reference_losses = train_single(STEPS, adam, ACCUMULATE)
     results = spawn(_all, world, ACCUMULATE, timeout_s=180)
