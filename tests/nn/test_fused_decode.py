@@ -1,6 +1,8 @@
 """The one-call decode step (nn/fused_decode.py; csrc/decode_layers.cpp and csrc/streamed_decode.cpp) equals the
 Python layers bit for bit."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -43,12 +45,16 @@ def decode_case(dtype, context_lens, block_size=16, num_blocks=32):
     return k_cache, v_cache, slices, ids, positions
 
 
-@pytest.fixture(params=["this CPU's plan", "AVX2 plan"])
+@pytest.fixture(params=["this CPU's plan", "AVX2 plan", "AVX2 plan, ffn_hidden 140"])
 def plan(request, monkeypatch):
     """The kernel plan of this CPU, and the one of CPUs where oneDNN cannot pack bf16 (steps under
-    STREAMED_BELOW rows take the streamed kernel everywhere, so the step is one `streamed_decode`)."""
-    if request.param == "AVX2 plan":
+    STREAMED_BELOW rows take the streamed kernel everywhere, so the step is one `streamed_decode`); with
+    ffn_hidden 140 an output group of gate|up holds both gate and up rows (each thread computes the gate and
+    up rows of its own columns)."""
+    if request.param.startswith("AVX2 plan"):
         monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: False)
+    if request.param.endswith("ffn_hidden 140"):
+        monkeypatch.setitem(globals(), "CONFIG", dataclasses.replace(CONFIG, ffn_hidden=140))
     return request.param
 
 
@@ -58,7 +64,7 @@ def test_fused_decode_equals_the_python_layers_and_writes_the_same_cache(dtype, 
     model = serving_model(dtype)
     assert FusedDecode.applies_to(model)
     fused = FusedDecode(model)
-    if plan == "AVX2 plan":  # one parallel region under STREAMED_BELOW rows, the per-op loop from there
+    if plan.startswith("AVX2 plan"):  # one parallel region under STREAMED_BELOW rows, the per-op loop from there
         assert fused.plan(len(context_lens)).streamed == (len(context_lens) < STREAMED_BELOW)
     k_cache, v_cache, slices, ids, positions = decode_case(dtype, context_lens, num_blocks=64)
     rows = torch.arange(len(context_lens))

@@ -12,11 +12,15 @@
 //   rope(q, k), k, v -> cache,    the two units of each (sequence, KV head) item shared out
 //   attention                     (paged_decode.cpp): the unit that reads the new token ropes and writes
 //                                 its K/V head first; each unit ropes its own copy of the queries | barrier
-//   merge the units' softmaxes    items shared out                                      | barrier
+//   merge the units' softmaxes    every item, by every thread into its own copy (no barrier)
 //   h = h + attended·Woᵀ          output groups (residual added in the kernel)          | barrier
-//   x = rms_norm(h); gates = x·Wguᵀ                                                     | barrier
-//   act = silu(gate)·up           columns shared out                                    | barrier
+//   x = rms_norm(h); gate|up = x·Wguᵀ; act = silu(gate)·up
+//                                 columns shared out: a thread computes the gate and up rows of its columns
+//                                 and their activation (no barrier between)             | barrier
 //   h = h + act·Wdᵀ               output groups                                         | barrier
+// Five barriers a layer. (Seven before the merge and the activation each lost theirs: bf16 batch 1 on Zen 3,
+// A/B in one process, alternating, bit-equal logits: 0.95x the step time with the vectorized x conversion of
+// streamed_linear.cpp, in a noisy phase of the host; 0.99x at 8 rows.)
 // and after the last layer logits = rms_norm(h[rows])·Wheadᵀ, each thread noting the largest logit of its
 // columns (the step's greedy tokens, merged after the region: no second pass over the logits, no
 // ATen op after the step). The embedding rows and the rope rows of the step's positions are copied in
@@ -77,19 +81,47 @@ struct Step {
   const int64_t* rows;   // the rows of h whose logits are wanted
   int64_t logit_rows;
   PagedDecode<T> attention;  // pointers of layer 0's cache; moved per layer
-  // step buffers: h, q|k|v, attention out (fp32, then rounded), gate|up, silu(gate)·up, logits
+  // step buffers: h, q|k|v, silu(gate)·up, logits, the attention's queries (each thread has its own of the rest)
   T* h;
   T* qkv;
-  T* attended;
-  T* gates;
   T* act;
   T* logits;
   float* query;
-  float* attended_fp32;
   // per thread and logits row: the largest logit of the thread's columns and its first column
   float* best_logit;   // [threads, logit_rows]
   int64_t* best_column;  // [threads, logit_rows], -1 where the thread had no columns
 };
+
+// A thread's own buffers: its rows of rms_norm(h), rope's scratch, every item's attention output (merged in fp32,
+// then rounded as `attended.to(dtype)`), and gate|up for the columns of silu(gate)·up it computes.
+template <typename T>
+struct Scratch {
+  std::vector<T> normed;
+  std::vector<float> rotated, merged;
+  std::vector<T> attended, gates;
+  explicit Scratch(const Step<T>& s)
+      : normed(std::max(s.tokens, s.logit_rows) * s.hidden), rotated(s.head_dim), merged(s.heads * s.head_dim),
+        attended(s.tokens * s.heads * s.head_dim), gates(s.tokens * 2 * s.ffn) {}
+};
+
+// act = silu(gate)·up for thread t's spans of columns, gate|up = x·Wguᵀ computed for those columns only (the gate
+// rows' output groups and the up rows' of the same columns, into the thread's own buffer): no barrier between the
+// product and the activation. (A group across the gate/up boundary, when ffn is not a multiple of 8, is computed
+// by both threads, each into its own buffer.)
+template <typename T>
+void gate_up_silu(const Step<T>& s, int64_t matrix, const T* x, T* gates, int t, int threads) {
+  const int64_t chunks = s.chunks[matrix];
+  const float* xs = streamed_input<T>(x, s.tokens, s.hidden, s.hidden, chunks);
+  const Share columns((s.ffn + kSiluSpan - 1) / kSiluSpan, t, threads);
+  const int64_t begin = columns.begin * kSiluSpan, end = std::min(columns.end * kSiluSpan, s.ffn);
+  if (begin >= end) return;
+  const StreamedProduct<T> p{xs, s.tiles[matrix], nullptr, gates, s.tokens, chunks, 2 * s.ffn};
+  streamed_groups(p, begin / 8, (end + 7) / 8);
+  streamed_groups(p, (s.ffn + begin) / 8, (s.ffn + end + 7) / 8);
+  for (int64_t r = 0; r < s.tokens; ++r)
+    silu_and_mul_span(gates + r * 2 * s.ffn + begin, gates + r * 2 * s.ffn + s.ffn + begin,
+                      s.act + r * s.ffn + begin, end - begin);
+}
 
 // y [rows, out] (+)= x [rows, in] · Wᵀ, W the step's matrix `matrix`, for thread t's share of its output groups.
 template <typename T>
@@ -146,7 +178,7 @@ void rope_and_cache(const Step<T>& s, int64_t layer, int64_t item, float* rotate
 }
 
 template <typename T>
-void layer(const Step<T>& s, int64_t l, T* normed, float* rotated, int t, int threads) {
+void layer(const Step<T>& s, int64_t l, Scratch<T>& own, int t, int threads) {
   const int64_t d = s.head_dim, attention_width = s.heads * d, group = s.heads / s.kv_heads;
   PagedDecode<T> attention = s.attention;
   const int64_t layer_elements = s.kv_heads * s.slots_per_head * d;
@@ -159,32 +191,25 @@ void layer(const Step<T>& s, int64_t l, T* normed, float* rotated, int t, int th
   // units read them (rope_and_cache adds only the new token). Measured (bf16, batch 1, ~260 tokens of context):
   // the thread with two items of the three spent 881 -> 796 µs a step in attention.
   prefetch_units(attention, units.begin, units.end, kPrefetchContextBytes);
-  norm_rows(s, s.norms[2 * l], normed, s.tokens);
-  product(s, 4 * l, normed, s.tokens, s.hidden, attention_width + 2 * s.kv_heads * d, s.qkv, t, threads);
+  norm_rows(s, s.norms[2 * l], own.normed.data(), s.tokens);
+  product(s, 4 * l, own.normed.data(), s.tokens, s.hidden, attention_width + 2 * s.kv_heads * d, s.qkv, t, threads);
 #pragma omp barrier
   for (int64_t unit = units.begin; unit < units.end; ++unit) {
-    if (unit % 2) rope_and_cache(s, l, unit / 2, rotated);
-    roped_queries(s, unit / 2, unit % 2 ? attention.part_query_offset : 0, rotated);
+    if (unit % 2) rope_and_cache(s, l, unit / 2, own.rotated.data());
+    roped_queries(s, unit / 2, unit % 2 ? attention.part_query_offset : 0, own.rotated.data());
   }
   paged_decode_units(attention, units.begin, units.end);
 #pragma omp barrier
-  const Share items(attention.items(), t, threads);
-  for (int64_t item = items.begin; item < items.end; ++item) {  // rounded as `attended.to(dtype)`
-    float* merged = s.attended_fp32 + item * group * d;  // item (s, h): heads h·group.. of sequence s
-    merge_parts(attention.partial, item, group, d, merged);
-    for (int64_t i = 0; i < group * d; ++i) s.attended[item * group * d + i] = narrow<T>(merged[i]);
+  // Every thread merges every item's two units, into its own copy: a few hundred values a token, where a barrier
+  // between sharing the merge out and the o product cost more.
+  for (int64_t item = 0; item < attention.items(); ++item) {  // item (s, h): heads h·group.. of sequence s
+    merge_parts(attention.partial, item, group, d, own.merged.data());
+    for (int64_t i = 0; i < group * d; ++i) own.attended[item * group * d + i] = narrow<T>(own.merged[i]);
   }
+  product(s, 4 * l + 1, own.attended.data(), s.tokens, attention_width, s.hidden, s.h, t, threads, s.h);
 #pragma omp barrier
-  product(s, 4 * l + 1, s.attended, s.tokens, attention_width, s.hidden, s.h, t, threads, s.h);
-#pragma omp barrier
-  norm_rows(s, s.norms[2 * l + 1], normed, s.tokens);
-  product(s, 4 * l + 2, normed, s.tokens, s.hidden, 2 * s.ffn, s.gates, t, threads);
-#pragma omp barrier
-  const Share columns((s.ffn + kSiluSpan - 1) / kSiluSpan, t, threads);  // of every row: a batch of 1 is 1 row
-  const int64_t begin = columns.begin * kSiluSpan, end = std::min(columns.end * kSiluSpan, s.ffn);
-  for (int64_t r = 0; r < s.tokens && begin < end; ++r)
-    silu_and_mul_span(s.gates + r * 2 * s.ffn + begin, s.gates + r * 2 * s.ffn + s.ffn + begin,
-                      s.act + r * s.ffn + begin, end - begin);
+  norm_rows(s, s.norms[2 * l + 1], own.normed.data(), s.tokens);
+  gate_up_silu(s, 4 * l + 2, own.normed.data(), own.gates.data(), t, threads);
 #pragma omp barrier
   product(s, 4 * l + 3, s.act, s.tokens, s.ffn, s.hidden, s.h, t, threads, s.h);
 #pragma omp barrier
@@ -195,11 +220,10 @@ void run(const Step<T>& s, int64_t max_threads) {
 #pragma omp parallel num_threads(max_threads)
   {
     const int threads = omp_get_num_threads(), t = omp_get_thread_num();
-    std::vector<T> normed(std::max(s.tokens, s.logit_rows) * s.hidden);
-    std::vector<float> rotated(s.head_dim);
-    for (int64_t l = 0; l < s.layers; ++l) layer(s, l, normed.data(), rotated.data(), t, threads);
-    norm_rows(s, s.final_norm, normed.data(), s.logit_rows, s.rows);
-    product(s, 4 * s.layers, normed.data(), s.logit_rows, s.hidden, s.vocab, s.logits, t, threads);
+    Scratch<T> own(s);
+    for (int64_t l = 0; l < s.layers; ++l) layer(s, l, own, t, threads);
+    norm_rows(s, s.final_norm, own.normed.data(), s.logit_rows, s.rows);
+    product(s, 4 * s.layers, own.normed.data(), s.logit_rows, s.hidden, s.vocab, s.logits, t, threads);
     const Share groups((s.vocab + 7) / 8, t, threads);  // the columns `product` gave this thread
     const int64_t begin = groups.begin * 8, end = std::min(groups.end * 8, s.vocab);
     for (int64_t r = 0; r < s.logit_rows; ++r) {
@@ -295,10 +319,8 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
 
   const auto options = embedding.options();
   at::Tensor h = embedding.index_select(0, input_ids), qkv = at::empty({tokens, shapes[0][0]}, options);
-  at::Tensor attended = at::empty({tokens, heads * head_dim}, options), gates = at::empty({tokens, 2 * ffn}, options);
   at::Tensor act = at::empty({tokens, ffn}, options), logits = at::empty({logit_rows.size(0), vocab}, options);
   at::Tensor query = at::empty({2, tokens, heads, head_dim}, options.dtype(at::kFloat));  // per part of the context
-  at::Tensor attended_fp32 = at::empty({tokens, heads, head_dim}, query.options());
   at::Tensor partial = at::empty({2 * tokens * kv_heads, heads / kv_heads, head_dim + 2}, query.options());
   const int64_t max_threads = at::get_num_threads(), rows = logit_rows.size(0);
   std::vector<float> best_logit(max_threads * rows);
@@ -315,8 +337,8 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
                              tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), partial.data_ptr<float>(),
                              tokens, heads, kv_heads, k_cache.size(2), k_cache.size(3), tables.size(1), head_dim,
                              float(1.0 / std::sqrt(double(head_dim))), tokens * heads * head_dim},
-              h.data_ptr<T>(), qkv.data_ptr<T>(), attended.data_ptr<T>(), gates.data_ptr<T>(), act.data_ptr<T>(),
-              logits.data_ptr<T>(), query.data_ptr<float>(), attended_fp32.data_ptr<float>(), best_logit.data(),
+              h.data_ptr<T>(), qkv.data_ptr<T>(), act.data_ptr<T>(), logits.data_ptr<T>(), query.data_ptr<float>(),
+              best_logit.data(),
               best_column.data()};
     for (const at::Tensor& norm : norms) s.norms.push_back(norm.data_ptr<T>());
     for (int64_t i = 0; i <= 4 * layers; ++i) {

@@ -30,6 +30,7 @@
 #include "kernels.h"
 #include "vec.h"
 
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -45,14 +46,28 @@ template <typename T> inline T bits_as(const void* p) { T v; std::memcpy(&v, p, 
 
 // x rows as fp32, zero-padded to `padded` inputs, each chunk in the order `load_pair` returns the weights
 // (vec.h: fp32 chunks as they are, bf16 chunks as their even inputs then their odd ones). Into a buffer each
-// thread keeps (no allocation per call: a decode step makes ~120 calls).
+// thread keeps (no allocation per call: a decode step makes ~120 calls). Whole chunks of an x in the weight's
+// dtype are converted by `load_pair` itself, a load and two vector instructions per chunk (the scalar loop,
+// one store per input to its slot, is kept for the last, partial chunk and for mixed dtypes).
 template <typename T, typename X>
 const float* x_in_tile_order(const X* x, int64_t rows, int64_t in, int64_t row_stride, int64_t padded) {
   thread_local std::vector<float> buffer;
-  buffer.assign(rows * padded, 0.f);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < in; ++i)
-      buffer[r * padded + i / kChunk * kChunk + pair_slot<T>(i % kChunk)] = widen(x[r * row_stride + i]);
+  buffer.resize(rows * padded);
+  for (int64_t r = 0; r < rows; ++r) {
+    const X* row = x + r * row_stride;
+    float* out = buffer.data() + r * padded;
+    int64_t i = 0;
+    if constexpr (std::is_same_v<T, X>) {  // whole chunks: a pair load puts them in its own order
+      for (; i + kChunk <= in; i += kChunk) {
+        Floats first, second;
+        load_pair(row + i, first, second);
+        std::memcpy(out + i, &first, sizeof first);
+        std::memcpy(out + i + kLanes, &second, sizeof second);
+      }
+    }
+    std::fill(out + i, out + padded, 0.f);
+    for (; i < in; ++i) out[i / kChunk * kChunk + pair_slot<T>(i % kChunk)] = widen(row[i]);
+  }
   return buffer.data();
 }
 
