@@ -47,6 +47,29 @@ def _busy_cpu_s() -> float:
 
 
 def _own_cpu_s() -> float:
-    """CPU seconds of this process and its finished children (spawned ranks, a peer's interpreter)."""
-    return sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-               for f in ("ru_utime", "ru_stime"))
+    """CPU seconds of this process, its finished children (a peer's interpreter), and its live children with their
+    finished ones (the fork server `comm.launch.spawn` starts ranks from, which reaps them)."""
+    finished = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+                   for f in ("ru_utime", "ru_stime"))
+    return finished + sum(_process_cpu_s(pid) for pid in _live_children())
+
+
+def _live_children() -> list[int]:
+    me, children = os.getpid(), []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == me:  # field 4: the parent
+                    children.append(int(entry.name))
+            except (OSError, IndexError):  # gone meanwhile
+                continue
+    return children
+
+
+def _process_cpu_s(pid: int) -> float:
+    """utime + stime + cutime + cstime of a live process (/proc/PID/stat fields 14-17), 0 if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(value) for value in fields[11:15]) / os.sysconf("SC_CLK_TCK")

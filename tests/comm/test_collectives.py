@@ -1,6 +1,10 @@
 """Every collective built from send/recv equals torch.distributed's, for 2, 3, 4 and 8 ranks,
 sizes that do not divide evenly, and several dtypes; the log counts exactly the bytes sent."""
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -132,3 +136,16 @@ def _hang(rank):
 def test_a_collective_that_never_completes_times_out_with_rank_op_and_shape():
     results = spawn(_hang, 2, timeout_s=2)
     assert "rank 1" in results[1] and "[5]" in results[1] and "did not complete within 2 s" in results[1]
+
+
+def _killed(rank):
+    if rank.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would: no result, no traceback
+    return "done"
+
+
+def test_a_rank_that_dies_without_a_result_fails_the_run_instead_of_hanging():
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"rank 1 of 2 failed:\nthe process exited with code -9 without a result"):
+        spawn(_killed, 2)
+    assert time.perf_counter() - started < 30

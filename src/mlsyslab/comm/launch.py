@@ -9,6 +9,7 @@ that has imported torch) on a free port and returns each rank's result, re-raisi
 import datetime
 import os
 import pickle
+import queue
 import socket
 import traceback
 from dataclasses import dataclass
@@ -78,14 +79,24 @@ def spawn(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S, thre
         context.set_forkserver_preload(PRELOAD)
     else:  # Windows
         context = mp.get_context("spawn")
-    results = context.SimpleQueue()
+    results = context.Queue()
     processes = [context.Process(target=_worker, args=(fn, r, world_size, port, timeout_s, threads_per_rank, results, args))
                  for r in range(world_size)]
     for process in processes:
         process.start()
     outcomes = {}
-    for _ in range(world_size):
-        rank, ok, value = results.get()
+    while len(outcomes) < world_size:
+        try:
+            rank, ok, value = results.get(timeout=0.5)
+        except queue.Empty:  # a rank that exited without a result (killed, or it could not start) fails the run
+            silent = [r for r, p in enumerate(processes) if r not in outcomes and p.exitcode is not None]
+            if not silent:
+                continue
+            try:
+                rank, ok, value = results.get(timeout=1.0)  # what it put before it exited, if anything
+            except queue.Empty:
+                rank, ok, value = silent[0], False, (f"the process exited with code {processes[silent[0]].exitcode} "
+                                                     "without a result (see its output above)")
         outcomes[rank] = (ok, pickle.loads(value) if ok else value)
         if not ok:
             break
