@@ -24,7 +24,7 @@ from record import ROOT, OtherProcesses, machine, save  # benchmarks/record.py
 
 from mlsyslab.comm.launch import spawn
 from mlsyslab.comm.p2p import Wire
-from mlsyslab.parallel.context import ring_attention, zigzag_layout
+from mlsyslab.parallel.context import ring_attention, zigzag_indices
 
 RESULTS = ROOT / "benchmarks" / "results" / "context.json"
 HEADS, KV_HEADS, HEAD_DIM, REPEATS = 8, 2, 64, 3
@@ -58,13 +58,12 @@ def one_process(sequence: int) -> float:
 
 
 def ours(rank, sequence: int) -> float:
-    everyone = zigzag_layout(sequence, rank.world_size)
-    mine = everyone[rank.rank]
+    mine = zigzag_indices(sequence, rank.world_size, rank.rank)
     q, k, v = (t[:, mine].contiguous().requires_grad_() for t in tensors(sequence))
     wire = Wire(rank)
 
     def step():
-        ring_attention(wire, q, k, v, everyone).sum().backward()
+        ring_attention(wire, q, k, v).sum().backward()
 
     return best_of(step)
 

@@ -10,7 +10,7 @@ from mlsyslab.comm.launch import spawn
 from mlsyslab.comm.log import CommLog
 from mlsyslab.comm.p2p import Wire
 from mlsyslab.nn.llama import Llama, LlamaConfig, causal_attention
-from mlsyslab.parallel.context import ring_attention, zigzag_indices, zigzag_layout
+from mlsyslab.parallel.context import ring_attention, zigzag_indices
 
 B, T, HEADS, KV_HEADS, D = 2, 16, 4, 2, 8
 
@@ -32,7 +32,7 @@ def _ring(rank):
     mine = zigzag_indices(T, rank.world_size, rank.rank)
     local = [t[:, mine].clone().requires_grad_() for t in (q, k, v)]
     log = CommLog()
-    out = ring_attention(Wire(rank, log), *local, zigzag_layout(T, rank.world_size))
+    out = ring_attention(Wire(rank, log), *local)
     out.backward(grad[:, mine])
     errors = {"out": (out - reference[:, mine]).abs().max().item()}
     for name, ours, theirs in zip("qkv", local, full):
@@ -62,7 +62,7 @@ def _llama(rank):
     mine = zigzag_indices(16, rank.world_size, rank.rank)
     wire = Wire(rank)
     ours = copy.deepcopy(model)
-    hidden = ours.hidden_states(ids[:, mine], mine.expand(2, -1), lambda layer, q, k, v: ring_attention(wire, q, k, v, zigzag_layout(16, rank.world_size)))
+    hidden = ours.hidden_states(ids[:, mine], mine.expand(2, -1), lambda layer, q, k, v: ring_attention(wire, q, k, v))
     logits = ours.lm_head(hidden)
     return (logits - reference[:, mine]).abs().max().item()
 

@@ -12,7 +12,7 @@ from mlsyslab.comm.launch import spawn
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, MixtureOfExperts, load_balancing_loss
-from mlsyslab.parallel.context import zigzag_layout
+from mlsyslab.parallel.context import zigzag_indices
 from mlsyslab.parallel.mesh import MeshLayout, build_mesh, composed_step, prepare
 from mlsyslab.parallel.mesh_zero import MeshZero
 
@@ -52,7 +52,7 @@ def _single_process():
 def _route_by_sequence_shards(model, cp):
     """Make every MoE layer route each of the `cp` zig-zag shards of the sequence on its own, as the CP
     ranks do (capacity and load-balancing loss per shard, the layer's loss their mean)."""
-    shards = zigzag_layout(SEQ, cp)
+    shards = [zigzag_indices(SEQ, cp, rank) for rank in range(cp)]
     for module in model.modules():
         if isinstance(module, MixtureOfExperts):
             whole = module.forward

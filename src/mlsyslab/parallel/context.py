@@ -5,12 +5,17 @@ causal mask every rank has the same amount of work. Each rank keeps its queries;
 travel around the ring: in c steps every rank sees every K/V block and merges the partial results
 with the online-softmax accumulator (Milakov & Gimelshein 2018): with running log-sum-exp ℓ and
 output o, a block with log-sum-exp ℓ_b and output o_b gives ℓ' = log(e^ℓ + e^ℓ_b),
-o' = o·e^(ℓ−ℓ') + o_b·e^(ℓ_b−ℓ'). The backward pass rotates K, V and their gradient accumulators once
-more around the ring, recomputing each block's probabilities from the saved ℓ (as FlashAttention
-does); after c − 1 hops every rank has seen every block, and one last hop of the accumulators alone
-brings dK and dV home. Each forward step's transfer is posted before the block's compute, so it can
-overlap it. Every rank is given every rank's token positions (the layout is known to all), so only
-K, V and their gradients travel.
+o' = o·e^(ℓ−ℓ') + o_b·e^(ℓ_b−ℓ'). The layout is known to every rank, so only K, V and their gradients
+travel, and each pair of zig-zag chunks is one of three cases: a key chunk before the query chunk is
+attended whole, the same chunk causally, a later one not at all — so each pair is one call of torch's
+fused CPU flash-attention kernel (`_scaled_dot_product_flash_attention_for_cpu`, which returns the
+log-sum-exp the merge needs), no mask is built and no invisible pair is computed. (Scores
+materialised per block in plain torch ops ran 8-13x slower than one process's fused kernel on the same
+cores: benchmarks/README.md.) The backward pass rotates K, V and their gradient accumulators once
+more around the ring; the kernel's backward recomputes each pair's probabilities from the final ℓ and
+output (as FlashAttention does); after c − 1 hops every rank has seen every block, and one last hop of
+the accumulators alone brings dK and dV home. Each forward step's transfer is posted before the
+block's compute, so it can overlap it.
 Bytes per rank per layer, with a K + V block of B = 2·(s/c)·kv_width·bytes: forward (c−1)·B;
 backward (c−1)·2B + B. Twin: predict.training (context-parallel term). Held against full attention
 in tests/parallel/test_context.py (output, gradients and those bytes).
@@ -31,20 +36,17 @@ def zigzag_indices(sequence: int, ranks: int, rank: int) -> torch.Tensor:
     return torch.cat([first, second])
 
 
-def ring_attention(wire: Wire, q, k, v, positions: torch.Tensor):
-    """Causal attention of local queries over every rank's keys; q [b, t, heads, d], k/v [b, t, kv_heads, d],
-    `positions` [c, t] the global positions of every rank's tokens (row r: rank r's; `zigzag_layout`)."""
-    return _RingAttention.apply(q, k, v, positions, wire)
-
-
-def zigzag_layout(sequence: int, ranks: int) -> torch.Tensor:
-    """[ranks, sequence / ranks]: row r is `zigzag_indices(sequence, ranks, r)`."""
-    return torch.stack([zigzag_indices(sequence, ranks, rank) for rank in range(ranks)])
+def ring_attention(wire: Wire, q, k, v):
+    """Causal attention of this rank's queries over every rank's keys; q [b, t, heads, d], k/v [b, t, kv_heads, d]
+    hold the rank's zig-zag share of the sequence (`zigzag_indices`, rank `wire.me` of `wire.size`)."""
+    if q.shape[1] % 2:
+        raise ValueError(f"ring attention: {q.shape[1]} local tokens, not two equal zig-zag chunks")
+    return _RingAttention.apply(q, k, v, wire)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, positions, wire: Wire):
+    def forward(ctx, q, k, v, wire: Wire):
         n, me = wire.size, wire.me
         scale = 1.0 / math.sqrt(q.shape[-1])
         out = torch.zeros(q.shape, dtype=_precision(q))
@@ -56,70 +58,79 @@ class _RingAttention(torch.autograd.Function):
                 incoming = tuple(torch.empty_like(t) for t in block)
                 pending = wire.exchange([(t, (me + 1) % n) for t in block], [(t, (me - 1) % n) for t in incoming], "ring attention K/V")
             block_k, block_v = block
-            block_out, block_lse = _attend_block(q, block_k, block_v, positions[me], positions[(me - step) % n], scale)
-            new_lse = torch.logaddexp(lse, block_lse)
-            out = out * torch.exp(lse - new_lse).nan_to_num(0.0)[..., None] + block_out * torch.exp(block_lse - new_lse).nan_to_num(0.0)[..., None]
-            lse = new_lse
+            for rows, keys, causal in _visible_pairs(n, me, (me - step) % n, q.shape[1] // 2):
+                pair_out, pair_lse = _flash(q[:, rows], block_k[:, keys], block_v[:, keys], causal, scale)
+                merged = torch.logaddexp(lse[:, rows], pair_lse)
+                out[:, rows] = (out[:, rows] * torch.exp(lse[:, rows] - merged)[..., None]
+                                + pair_out * torch.exp(pair_lse - merged)[..., None])
+                lse[:, rows] = merged
             if pending is not None:
                 pending.wait()
                 block = incoming
-        ctx.save_for_backward(q, k, v, positions, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.wire, ctx.scale = wire, scale
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, positions, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         wire, scale = ctx.wire, ctx.scale
         n, me = wire.size, wire.me
         grad_out = grad_out.to(_precision(q))
-        delta = (grad_out * out).sum(-1)  # D = rowsum(dO ∘ O), [b, t, heads]
         grad_q = torch.zeros_like(q, dtype=_precision(q))
         block = (k.contiguous(), v.contiguous(), torch.zeros_like(k, dtype=_precision(q)),
                  torch.zeros_like(v, dtype=_precision(q)))
         for step in range(n):
             bk, bv, bdk, bdv = block
-            dq, dk, dv = _attend_block_backward(q, bk, bv, positions[me], positions[(me - step) % n], lse, grad_out,
-                                                delta, scale)
-            grad_q += dq
-            block = (bk, bv, bdk + dk, bdv + dv) if step < n - 1 else (bdk + dk, bdv + dv)  # the last hop: home
+            for rows, keys, causal in _visible_pairs(n, me, (me - step) % n, q.shape[1] // 2):
+                dq, dk, dv = _flash_backward(grad_out[:, rows], q[:, rows], bk[:, keys], bv[:, keys], out[:, rows],
+                                             lse[:, rows], causal, scale)
+                grad_q[:, rows] += dq
+                bdk[:, keys] += dk
+                bdv[:, keys] += dv
+            block = (bk, bv, bdk, bdv) if step < n - 1 else (bdk, bdv)  # the last hop: the accumulators home
             incoming = tuple(torch.empty_like(t) for t in block)
             wire.exchange([(t, (me + 1) % n) for t in block], [(t, (me - 1) % n) for t in incoming],
                           "ring attention backward").wait()
             block = incoming  # after n hops every accumulator is back with its owner
         grad_k, grad_v = block
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None
 
 
-def _scores(q, k, q_positions, k_positions, scale):
-    """Masked scores [b, heads, tq, tk] with K/V heads repeated for grouped-query attention."""
+def _visible_pairs(ranks: int, me: int, owner: int, half: int) -> list[tuple[slice, slice, bool]]:
+    """(query rows, key rows, causal) of each pair of zig-zag chunks where rank `me`'s queries (chunks me and
+    2·ranks − 1 − me) see rank `owner`'s keys (chunks owner and 2·ranks − 1 − owner): an earlier key chunk
+    whole, the same chunk causally, a later one not at all."""
+    halves, chunks = (slice(0, half), slice(half, 2 * half)), lambda rank: (rank, 2 * ranks - 1 - rank)
+    return [(rows, keys, key_chunk == query_chunk) for rows, query_chunk in zip(halves, chunks(me))
+            for keys, key_chunk in zip(halves, chunks(owner)) if key_chunk <= query_chunk]
+
+
+def _flash(q, k, v, causal: bool, scale: float):
+    """q [b, tq, heads, d] over k, v [b, tk, kv_heads, d] (causal: tq = tk, the same positions) by torch's CPU
+    flash-attention kernel, in q's accumulation precision -> (out [b, tq, heads, d], log-sum-exp [b, tq, heads])."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*_heads_first(q, k, v), is_causal=causal,
+                                                                          scale=scale)
+    return out.transpose(1, 2), lse.transpose(1, 2)
+
+
+def _flash_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
+    """The gradients of one pair's share of the attention, given the whole attention's output and log-sum-exp
+    (the kernel recomputes the pair's probabilities from them): dq [b, tq, heads, d], dk, dv [b, tk, kv_heads, d]."""
     groups = q.shape[2] // k.shape[2]
-    k = k.to(_precision(q)).repeat_interleave(groups, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.to(_precision(q)), k) * scale
-    allowed = k_positions[None, :] <= q_positions[:, None]
-    return scores.masked_fill(~allowed, -math.inf), groups
+    grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out.transpose(1, 2), *_heads_first(q, k, v), out.transpose(1, 2), lse.transpose(1, 2).contiguous(), 0.0,
+        causal, scale=scale)
+    fold = lambda t: t.transpose(1, 2).unflatten(2, (-1, groups)).sum(3)  # noqa: E731 - a K/V head's query heads summed
+    return grad_q.transpose(1, 2), fold(grad_k), fold(grad_v)
 
 
-def _attend_block(q, k, v, q_positions, k_positions, scale):
-    scores, groups = _scores(q, k, q_positions, k_positions, scale)
-    block_lse = torch.logsumexp(scores, dim=-1)  # [b, heads, tq]; -inf where no key is visible
-    probabilities = torch.exp(scores - block_lse[..., None]).nan_to_num(0.0)
-    out = torch.einsum("bhqk,bkhd->bqhd", probabilities, v.to(probabilities.dtype).repeat_interleave(groups, dim=2))
-    return out, block_lse.transpose(1, 2)
-
-
-def _attend_block_backward(q, k, v, q_positions, k_positions, lse, grad_out, delta, scale):
-    scores, groups = _scores(q, k, q_positions, k_positions, scale)
-    probabilities = torch.exp(scores - lse.transpose(1, 2)[..., None]).nan_to_num(0.0)  # [b, h, tq, tk]
-    v_full = v.to(probabilities.dtype).repeat_interleave(groups, dim=2)
-    grad_v = torch.einsum("bhqk,bqhd->bkhd", probabilities, grad_out)
-    grad_p = torch.einsum("bqhd,bkhd->bhqk", grad_out, v_full)
-    grad_s = probabilities * (grad_p - delta.transpose(1, 2)[..., None])
-    grad_q = torch.einsum("bhqk,bkhd->bqhd", grad_s, k.to(grad_s.dtype).repeat_interleave(groups, dim=2)) * scale
-    grad_k = torch.einsum("bhqk,bqhd->bkhd", grad_s, q.to(grad_s.dtype)) * scale
-    # Sum the gradients of repeated K/V heads back onto their group's head.
-    fold = lambda t: t.reshape(*t.shape[:2], t.shape[2] // groups, groups, t.shape[3]).sum(3)  # noqa: E731
-    return grad_q, fold(grad_k), fold(grad_v)
+def _heads_first(q, k, v):
+    """q, k, v as [b, heads, t, d] in q's accumulation precision, each K/V head repeated for its query heads
+    (grouped-query attention: the kernel takes as many K/V heads as query heads)."""
+    precision, groups = _precision(q), q.shape[2] // k.shape[2]
+    return (q.to(precision).transpose(1, 2),
+            *(t.to(precision).repeat_interleave(groups, dim=2).transpose(1, 2) for t in (k, v)))
 
 
 def _precision(q: torch.Tensor) -> torch.dtype:

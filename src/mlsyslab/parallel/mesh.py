@@ -43,7 +43,7 @@ from mlsyslab.comm.p2p import Wire
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama
 from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, MixtureOfExperts, load_balancing_loss
-from mlsyslab.parallel.context import ring_attention, zigzag_layout
+from mlsyslab.parallel.context import ring_attention, zigzag_indices
 from mlsyslab.parallel.expert import ExpertDispatch, ExpertParallel
 from mlsyslab.parallel.pipeline import PipelineRank, mean_cross_entropy
 from mlsyslab.parallel.schedules import build
@@ -184,11 +184,10 @@ def _microbatch_backward(model: Llama, mesh: MeshRanks, x: torch.Tensor, y: torc
     the vocabulary-parallel loss; an MoE model adds its load-balancing loss. Returns the detached share."""
     layout = mesh.layout
     if layout.cp > 1:
-        everyone = zigzag_layout(x.shape[1], layout.cp)
-        positions = everyone[mesh.cp.rank]
+        positions = zigzag_indices(x.shape[1], layout.cp, mesh.cp.rank)
         wire = Wire(mesh.cp, logs.get("context_parallel"))
         hidden = model.hidden_states(x[:, positions], positions.expand(x.shape[0], -1),
-                                     lambda layer, q, k, v: ring_attention(wire, q, k, v, everyone))
+                                     lambda layer, q, k, v: ring_attention(wire, q, k, v))
         logits = model.lm_head(hidden)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[:, positions].reshape(-1),
