@@ -62,7 +62,7 @@ app.add_typer(zoo_app, name="zoo")
 def main() -> None:
     """Entry point: turn input errors (ours and the parser's) into one stderr line and exit code 2."""
     try:
-        app(standalone_mode=False)
+        exit_code = app(standalone_mode=False)  # not standalone, click returns a command's typer.Exit code
     except MlsysError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -73,6 +73,8 @@ def main() -> None:
         sys.exit(done.exit_code)
     except typer.Abort:
         sys.exit(130)
+    if isinstance(exit_code, int):
+        sys.exit(exit_code)
 
 
 if __name__ == "__main__":

@@ -82,7 +82,8 @@ def train_command(
         launch += ["-m", "mlsyslab.train.worker", str(config_path), str(result_path)]
         finished = subprocess.run(launch, stdout=sys.stderr if json else None)
         if finished.returncode != 0 or not result_path.exists():
-            console.print(f"[red]training failed (torchrun exit code {finished.returncode})[/]")
+            print(f"error: training failed (torchrun exit code {finished.returncode}; the ranks' errors are above)",
+                  file=sys.stderr)
             raise typer.Exit(1)
         result = jsonlib.loads(result_path.read_text())
     compare = compare_mesh_training if config.on_mesh else compare_training
