@@ -83,6 +83,20 @@ def test_bad_input_is_refused_before_launch(tiny, args, field, capsys, monkeypat
     assert time.perf_counter() - started < 5
 
 
+def test_resume_from_a_damaged_checkpoint(tiny, tmp_path, capsys, monkeypatch):
+    """A checkpoint directory without dcp's metadata is refused before launch (exit 2); one whose metadata does
+    not load fails in the ranks, and the run exits 1 with the error on stderr and nothing on stdout."""
+    damaged = tmp_path / "step_00000002"
+    damaged.mkdir()
+    code, _, err = run(capsys, monkeypatch, "train", "--model-spec", str(tiny), "--checkpoint-dir", str(tmp_path),
+                       "--resume")
+    assert code == 2 and "checkpoint_dir" in err and ".metadata" in err
+    (damaged / ".metadata").write_bytes(b"not a checkpoint")
+    result = mlsys("train", "--model-spec", str(tiny), "--nproc", "2", "--global-batch", "4", "--seq", "32", "--json",
+                   "--checkpoint-dir", str(tmp_path), "--resume")
+    assert result.returncode == 1 and result.stdout == "" and "error: training failed" in result.stderr
+
+
 def test_llama_catalog_model_that_nn_cannot_build_is_refused(capsys, monkeypatch):
     code, _, err = run(capsys, monkeypatch, "train", "--model", "gpt2")
     assert code == 2 and "norm" in err

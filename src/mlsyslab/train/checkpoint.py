@@ -44,7 +44,7 @@ def save(directory: str, step: int, rank: Rank, state: dict) -> Path:
 def load_latest(directory: str, optimizers: list, state: Callable[[], dict]) -> int:
     """Restore the newest complete checkpoint in place; return its step (0 when there is none).
     `state()` is called after the `optimizers`' AdamW state exists, so that it has tensors to load into."""
-    complete = sorted(p for p in Path(directory).glob("step_*") if p.is_dir() and not p.name.endswith(".partial"))
+    complete = completed(directory)
     if not complete:
         return 0
     for optimizer in optimizers:
@@ -53,6 +53,11 @@ def load_latest(directory: str, optimizers: list, state: Callable[[], dict]) -> 
 
     dcp.load(state(), checkpoint_id=str(complete[-1]))
     return int(complete[-1].name.split("_")[1])
+
+
+def completed(directory: str) -> list[Path]:
+    """The checkpoints `save` finished in `directory`, oldest first (not the .partial one a kill left)."""
+    return sorted(p for p in Path(directory).glob("step_*") if p.is_dir() and not p.name.endswith(".partial"))
 
 
 def trainer_state(rank: Rank, wrapped, optimizer) -> dict:

@@ -124,6 +124,9 @@ class TrainConfig:
                                f"a divisor of the {self.global_batch // dp} sequences per data-parallel rank")
         if self.resume and not self.checkpoint_dir:
             raise InvalidValue("resume", True, "with a checkpoint directory")
+        newest = checkpoint.completed(self.checkpoint_dir)[-1:] if self.resume else []
+        if newest and not (newest[0] / ".metadata").is_file():
+            raise InvalidValue("checkpoint_dir", str(newest[0]), "a checkpoint mlsys train wrote (it has no .metadata)")
         spec = Model(**self.model)
         if self.seq > spec.max_seq:
             raise InvalidValue("seq", self.seq, f"<= the {spec.max_seq}-token context of {spec.name}")
