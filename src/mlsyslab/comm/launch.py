@@ -3,7 +3,8 @@
 Backend by device: NCCL when the rank drives a CUDA device, gloo otherwise. Every rank gets a
 `Rank` (rank, world size, device, default timeout) that is passed explicitly — no globals below
 this file. `spawn(fn, world_size, *args)` runs `fn(rank, *args)` in new processes (forks of a server
-that has imported torch) on a free port and returns each rank's result, re-raising the first failure with the rank's traceback.
+that has imported torch) on a free port and returns each rank's result, re-raising the first failure
+with the rank's traceback (or the exit code of a rank that died without one).
 """
 
 import datetime
