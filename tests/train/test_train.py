@@ -311,10 +311,10 @@ def test_zero_along_data_parallel_inside_the_mesh(tiny, single_process_losses, s
         assert wire[dimension]["measured"] == pytest.approx(wire[dimension]["predicted"])
 
 
-@pytest.mark.parametrize("layout", [  # CI time: TP (pure bf16 under DDP) and CP with -m slow
+@pytest.mark.parametrize("layout", [  # CI time: TP (pure bf16 under DDP) with -m slow
     ("--pp", "2", "--micro-batch", "1", "--strategy", "zero2", "--offload"),
     pytest.param(("--tp", "2"), marks=pytest.mark.slow),
-    pytest.param(("--cp", "2", "--strategy", "zero3", "--offload"), marks=pytest.mark.slow)])
+    ("--cp", "2", "--strategy", "zero3", "--offload")])
 def test_bf16_inside_the_mesh_sends_what_predict_says(tiny, single_process_losses, layout):
     """--bf16 on DP2 × PP2 (ZeRO-2, its master weights and Adam state offloaded), DP2 × TP2 and DP2 × CP2
     (ZeRO-3, offloaded): one fp32 process's losses to bf16's rounding, and every dimension's bytes equal
