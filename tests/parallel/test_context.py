@@ -10,7 +10,7 @@ from mlsyslab.comm.launch import spawn
 from mlsyslab.comm.log import CommLog
 from mlsyslab.comm.p2p import Wire
 from mlsyslab.nn.llama import Llama, LlamaConfig, causal_attention
-from mlsyslab.parallel.context import ring_attention, zigzag_indices
+from mlsyslab.parallel.context import plain_attention, plain_attention_backward, ring_attention, zigzag_indices
 
 B, T, HEADS, KV_HEADS, D = 2, 16, 4, 2, 8
 
@@ -69,3 +69,20 @@ def _llama(rank):
 
 def test_context_parallel_llama_forward_equals_single_process():
     assert max(spawn(_llama, 4)) < 1e-10
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_plain_ops_off_cpu_equal_the_cpu_flash_kernel(causal):
+    """Off CPU ring attention computes each chunk pair in plain ops (the flash kernel it uses is CPU-only):
+    the same output, log-sum-exp and gradients, here against the kernel itself."""
+    generator = torch.Generator().manual_seed(3)
+    q, k, v, grad = (torch.randn(2, 4, 12, 8, generator=generator, dtype=torch.float64) for _ in range(4))
+    out, lse = plain_attention(q, k, v, causal, 0.35)
+    kernel_out, kernel_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal,
+                                                                                        scale=0.35)
+    assert torch.allclose(out, kernel_out, atol=1e-12) and torch.allclose(lse, kernel_lse, atol=1e-12)
+    ours = plain_attention_backward(grad, q, k, v, out, lse, causal, 0.35)
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, kernel_out, kernel_lse,
+                                                                                 0.0, causal, scale=0.35)
+    for mine, theirs in zip(ours, kernel):
+        assert torch.allclose(mine, theirs, atol=1e-12)

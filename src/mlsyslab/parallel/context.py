@@ -9,7 +9,8 @@ o' = o·e^(ℓ−ℓ') + o_b·e^(ℓ_b−ℓ'). The layout is known to every ran
 travel, and each pair of zig-zag chunks is one of three cases: a key chunk before the query chunk is
 attended whole, the same chunk causally, a later one not at all — so each pair is one call of torch's
 fused CPU flash-attention kernel (`_scaled_dot_product_flash_attention_for_cpu`, which returns the
-log-sum-exp the merge needs), no mask is built and no invisible pair is computed. (Scores
+log-sum-exp the merge needs; off CPU the same computation in plain torch ops, `plain_attention`), no mask
+is built and no invisible pair is computed. (Scores
 materialised per block in plain torch ops ran 8-13x slower than one process's fused kernel on the same
 cores: benchmarks/README.md.) The backward pass rotates K, V and their gradient accumulators once
 more around the ring; the kernel's backward recomputes each pair's probabilities from the final ℓ and
@@ -109,8 +110,12 @@ def _visible_pairs(ranks: int, me: int, owner: int, half: int) -> list[tuple[sli
 def _flash(q, k, v, causal: bool, scale: float):
     """q [b, tq, heads, d] over k, v [b, tk, kv_heads, d] (causal: tq = tk, the same positions) by torch's CPU
     flash-attention kernel, in q's accumulation precision -> (out [b, tq, heads, d], log-sum-exp [b, tq, heads])."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*_heads_first(q, k, v), is_causal=causal,
-                                                                          scale=scale)
+    heads_first = _heads_first(q, k, v)
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*heads_first, is_causal=causal,
+                                                                              scale=scale)
+    else:  # the kernel is CPU-only (no fused kernel returns the log-sum-exp on every device): the same in plain ops
+        out, lse = plain_attention(*heads_first, causal, scale)
     return out.transpose(1, 2), lse.transpose(1, 2)
 
 
@@ -118,11 +123,39 @@ def _flash_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
     """The gradients of one pair's share of the attention, given the whole attention's output and log-sum-exp
     (the kernel recomputes the pair's probabilities from them): dq [b, tq, heads, d], dk, dv [b, tk, kv_heads, d]."""
     groups = q.shape[2] // k.shape[2]
-    grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out.transpose(1, 2), *_heads_first(q, k, v), out.transpose(1, 2), lse.transpose(1, 2).contiguous(), 0.0,
-        causal, scale=scale)
+    args = (grad_out.transpose(1, 2), *_heads_first(q, k, v), out.transpose(1, 2), lse.transpose(1, 2).contiguous())
+    if q.device.type == "cpu":
+        grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            *args, 0.0, causal, scale=scale)
+    else:
+        grad_q, grad_k, grad_v = plain_attention_backward(*args, causal, scale)
     fold = lambda t: t.transpose(1, 2).unflatten(2, (-1, groups)).sum(3)  # noqa: E731 - a K/V head's query heads summed
     return grad_q.transpose(1, 2), fold(grad_k), fold(grad_v)
+
+
+def plain_attention(q, k, v, causal: bool, scale: float):
+    """What the CPU flash kernel returns, in plain ops on any device: q, k, v [b, heads, t, d] -> (out, log-sum-exp
+    [b, heads, tq]); causal: query i sees keys <= i."""
+    scores = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse[..., None]) @ v, lse
+
+
+def plain_attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
+    """The CPU flash kernel's backward in plain ops: probabilities recomputed from `lse`, D = rowsum(dO ∘ O)
+    (FlashAttention-2, Dao 2023, algorithm 2) -> (dq, dk, dv), each [b, heads, t, d]."""
+    probabilities = torch.exp(_scores(q, k, causal, scale) - lse[..., None])
+    grad_scores = probabilities * (grad_out @ v.transpose(-1, -2) - (grad_out * out).sum(-1, keepdim=True))
+    grad_v = probabilities.transpose(-1, -2) @ grad_out
+    return (grad_scores @ k) * scale, (grad_scores.transpose(-1, -2) @ q) * scale, grad_v
+
+
+def _scores(q, k, causal: bool, scale: float):
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        later = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(later, -math.inf)
+    return scores
 
 
 def _heads_first(q, k, v):
