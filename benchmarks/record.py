@@ -55,21 +55,20 @@ def _own_cpu_s() -> float:
 
 
 def _live_children() -> list[int]:
-    me, children = os.getpid(), []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == me:  # field 4: the parent
-                    children.append(int(entry.name))
-            except (OSError, IndexError):  # gone meanwhile
-                continue
-    return children
+    me = os.getpid()
+    return [int(entry.name) for entry in Path("/proc").iterdir()
+            if entry.name.isdigit() and (fields := _stat_fields(int(entry.name))) and int(fields[1]) == me]
 
 
 def _process_cpu_s(pid: int) -> float:
     """utime + stime + cutime + cstime of a live process (/proc/PID/stat fields 14-17), 0 if it is gone."""
+    fields = _stat_fields(pid)
+    return sum(int(value) for value in fields[11:15]) / os.sysconf("SC_CLK_TCK") if fields else 0.0
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name (index 0 is field 3, the state; 1 the parent), [] if gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return 0.0
-    return sum(int(value) for value in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+        return []

@@ -92,15 +92,15 @@ struct Step {
   int64_t* best_column;  // [threads, logit_rows], -1 where the thread had no columns
 };
 
-// A thread's own buffers: its rows of rms_norm(h), rope's scratch, every item's attention output (merged in fp32,
-// then rounded as `attended.to(dtype)`), and gate|up for the columns of silu(gate)·up it computes.
+// A thread's own buffers: its rows of rms_norm(h), rope's scratch, one item's merged attention output (fp32) and
+// every item's, rounded as `attended.to(dtype)`, and gate|up for the columns of silu(gate)·up it computes.
 template <typename T>
 struct Scratch {
   std::vector<T> normed;
   std::vector<float> rotated, merged;
   std::vector<T> attended, gates;
   explicit Scratch(const Step<T>& s)
-      : normed(std::max(s.tokens, s.logit_rows) * s.hidden), rotated(s.head_dim), merged(s.heads * s.head_dim),
+      : normed(std::max(s.tokens, s.logit_rows) * s.hidden), rotated(s.head_dim), merged(s.heads / s.kv_heads * s.head_dim),
         attended(s.tokens * s.heads * s.head_dim), gates(s.tokens * 2 * s.ffn) {}
 };
 
