@@ -11,7 +11,7 @@ from mlsyslab.nn.fused_decode import FusedDecode
 from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.nn import packed_linear
 from mlsyslab.nn.packed_linear import STREAMED_BELOW, packed_for_inference
-from mlsyslab.nn.paged_attention import PagedAttention, SequenceSlice
+from mlsyslab.nn.paged_attention import DecodeSteps, PagedAttention, SequenceSlice
 from mlsyslab.serve.engine import Engine, EngineConfig
 from mlsyslab.serve.sampling import SamplingParams
 
@@ -29,15 +29,16 @@ def plain_model(dtype) -> Llama:
     return Llama(CONFIG).initialize(0.1, torch.Generator().manual_seed(0)).to(dtype).eval()
 
 
-def decode_case(dtype, context_lens, block_size=16, num_blocks=32):
-    """Caches with random contents; each sequence's blocks scattered; one new token per sequence."""
+def decode_case(dtype, context_lens, block_size=16, num_blocks=32, ahead=0):
+    """Caches with random contents; each sequence's blocks scattered (room for `ahead` more tokens); one new token
+    per sequence."""
     generator = torch.Generator().manual_seed(1)
     shape = (CONFIG.layers, CONFIG.kv_heads, num_blocks, block_size, CONFIG.head_dim)
     k_cache, v_cache = (torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
     order = torch.randperm(num_blocks, generator=generator).tolist()
     slices = []
     for length in context_lens:
-        count = -(-length // block_size)
+        count = -(-(length + ahead) // block_size)
         slices.append(SequenceSlice(1, length, order[:count]))
         order = order[count:]
     ids = torch.randint(CONFIG.vocab, (len(context_lens),), generator=generator)
@@ -118,12 +119,52 @@ def test_streamed_decode_refuses_inputs_that_do_not_fit(monkeypatch):
         fused(ids, positions, PagedAttention(k_cache, v_cache, slices), torch.tensor([2]))
     with pytest.raises(RuntimeError, match=r"input_ids\[1\] = 96: not a token of the embedding \(0..95\)"):
         fused(torch.tensor([0, 96]), positions, PagedAttention(k_cache, v_cache, slices), torch.arange(2))
-    with pytest.raises(RuntimeError, match=r"positions\[0\] = 256: outside the rope tables' 256 positions"):
+    with pytest.raises(RuntimeError, match=r"positions\[0\]\[0\] = 256: outside the rope tables' 256 positions"):
         fused(ids, torch.tensor([256, 2]), PagedAttention(k_cache, v_cache, slices), torch.arange(2))
     plan = fused.plan(2)
     plan.weights[5] = plan.weights[4]  # layer 1's o_proj given its q|k|v tiles
     with pytest.raises(RuntimeError, match="tiles: out_features 64 does not fit tiles of 32 groups"):
         fused(ids, positions, PagedAttention(k_cache, v_cache, slices), torch.arange(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("context_lens", [[1], [15, 40, 70], [3 + 5 * i for i in range(STREAMED_BELOW - 1)]])
+def test_steps_ahead_equal_one_step_at_a_time(dtype, context_lens, plan):
+    """Multi-step decoding: k steps in one call, each row's greedy token fed back, give the tokens and the cache of
+    k single steps (crossing block boundaries: 15 + 1 token opens a block)."""
+    fused = FusedDecode(serving_model(dtype))
+    if not fused.runs_ahead(len(context_lens)):
+        pytest.skip("this CPU's plan does not take the streamed step")
+    steps = 6
+    k_cache, v_cache, slices, ids, positions = decode_case(dtype, context_lens, num_blocks=64, ahead=steps)
+    tables = [seq.block_table for seq in slices]
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    expected, next_ids = [], ids
+    with torch.inference_mode():
+        for step in range(steps):
+            step_slices = [SequenceSlice(1, length + step, table) for length, table in zip(context_lens, tables)]
+            _, next_ids = fused(next_ids, positions + step, PagedAttention(k_ref, v_ref, step_slices),
+                                torch.arange(len(ids)))
+            expected.append(next_ids)
+        got = fused.ahead(ids, DecodeSteps.of(k_cache, v_cache, tables, positions.tolist(), steps))
+    assert torch.equal(got, torch.stack(expected))
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_steps_ahead_refuse_tables_without_room_and_picked_rows(monkeypatch):
+    monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: False)
+    fused = FusedDecode(serving_model(torch.float32))
+    k_cache, v_cache, slices, ids, positions = decode_case(torch.float32, [20, 3])
+    tables = [seq.block_table for seq in slices]
+    with pytest.raises(ValueError, match=r"a block table of 2 blocks cannot hold positions 19..32 \(block size 16\)"):
+        DecodeSteps.of(k_cache, v_cache, tables, positions.tolist(), 14)
+    steps = DecodeSteps.of(k_cache, v_cache, tables, positions.tolist(), 2)
+    with pytest.raises(RuntimeError, match=r"logit_rows: every row \(0..1\) in a run of 2 steps"):
+        fused.streamed(ids, steps.positions, k_cache, v_cache, steps.slot_mapping, steps.tables, steps.lengths,
+                       torch.tensor([0]))
+    with pytest.raises(RuntimeError, match=r"lengths: as many steps as positions"):
+        fused.streamed(ids, steps.positions, k_cache, v_cache, steps.slot_mapping, steps.tables, steps.lengths[:1],
+                       torch.arange(2))
 
 
 def test_fused_decode_refuses_prefill_steps_and_bad_slots():

@@ -6,14 +6,19 @@ return to empty.
 """
 
 import functools
+from unittest import mock
 
 import pytest
+import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from mlsyslab.errors import InvalidValue
+from mlsyslab.nn import cpu_kernels, packed_linear
+from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.serve.engine import Engine, EngineConfig
 from mlsyslab.serve.sampling import SamplingParams
+from mlsyslab.serve.kv_cache import block_bytes as kv_block_bytes
 from mlsyslab.serve.scheduler import QueueFull
 from tests.serve.tiny import CONFIG, block_bytes, greedy_reference, tiny_model
 
@@ -25,13 +30,14 @@ def reference(prompt: tuple[int, ...], new_tokens: int) -> list[int]:
     return greedy_reference(MODEL, list(prompt), new_tokens)
 
 
-def run(engine: Engine, arrivals: list[tuple[int, list[int], int, int | None]]) -> tuple[dict, set]:
+def run(engine: Engine, arrivals: list[tuple[int, list[int], int, int | None]], stop_token_ids=()) -> tuple[dict, set]:
     """Step the engine, adding and aborting requests on schedule; check the block invariant every step."""
     finished, aborted, step = {}, set(), 0
     while step < 1000 and (engine.has_work() or any(arrive >= step for arrive, *_ in arrivals)):
         for index, (arrive, prompt, max_tokens, abort_at) in enumerate(arrivals):
             if arrive == step:
-                engine.add_request(str(index), prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
+                engine.add_request(str(index), prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                      stop_token_ids=stop_token_ids))
             if abort_at == step and str(index) not in finished and arrive <= step:
                 engine.abort(str(index))
                 aborted.add(str(index))
@@ -86,6 +92,91 @@ def test_every_request_finishes_or_aborts_with_batch_1_output_and_no_leak(reques
         radix.evict(engine.kv.num_blocks)
     assert engine.kv.num_used == 0
     engine.kv.check([])
+
+
+# head_dim 32: a model the one-call decode step (nn.fused_decode) runs, so greedy decodes run several steps a call
+AHEAD_CONFIG = LlamaConfig(vocab=96, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=32, ffn_hidden=136, max_seq=192)
+AHEAD_MODEL = Llama(AHEAD_CONFIG).initialize(0.5, torch.Generator().manual_seed(0)).eval()
+
+
+@functools.cache
+def one_step_reference(prompt: tuple[int, ...], max_tokens: int, stop_token_ids: tuple[int, ...]) -> list[int]:
+    """The request alone, one decode step per call (the plan is patched by the caller)."""
+    engine = Engine(AHEAD_MODEL, config=EngineConfig(kv_cache_bytes=10_000_000, decode_steps=1))
+    engine.add_request("alone", list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                             stop_token_ids=stop_token_ids))
+    while engine.has_work():
+        if finished := engine.step()[1]:
+            return finished[0].output_ids
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels did not build here")
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(request_strategy, min_size=1, max_size=6), block_size=st.sampled_from([2, 4, 8]),
+       spare_blocks=st.integers(0, 12), budget=st.integers(1, 48), prefix_cache=st.booleans(),
+       stop_token=st.integers(0, AHEAD_CONFIG.vocab - 1), seed=st.integers(0, 2**16))
+def test_multi_step_decoding_loses_nothing_and_equals_one_step_at_a_time(requests, block_size, spare_blocks, budget,
+                                                                          prefix_cache, stop_token, seed):
+    """The same property, with greedy decodes running up to 5 steps a call (fp32 on the streamed step, whose
+    numbers do not depend on the batch): stop tokens met inside a run, aborts and preemptions between runs, and
+    look-ahead blocks taken only when free."""
+    import random
+
+    rng = random.Random(seed)
+    arrivals = []
+    for arrive, _, length, max_tokens, abort_at in requests:
+        arrivals.append((arrive, [rng.randrange(AHEAD_CONFIG.vocab) for _ in range(length)], max_tokens, abort_at))
+    bytes_per_block = kv_block_bytes(AHEAD_CONFIG, block_size, torch.float32)
+    largest = max(-(-(len(p) + m) // block_size) for _, p, m, _ in arrivals)
+    with mock.patch.object(packed_linear, "onednn_packs_bf16", lambda: False):
+        engine = Engine(AHEAD_MODEL, config=EngineConfig(
+            kv_cache_bytes=(largest + spare_blocks) * bytes_per_block, block_size=block_size,
+            max_batched_tokens=budget, prefix_cache=prefix_cache, decode_steps=5))
+        with mock.patch.object(engine, "decode_ahead", wraps=engine.decode_ahead) as ahead:
+            finished, aborted = run(engine, arrivals, stop_token_ids=[stop_token])
+        expected = {str(i): one_step_reference(tuple(prompt), max_tokens, (stop_token,))
+                    for i, (_, prompt, max_tokens, _) in enumerate(arrivals)}
+    event(f"ran ahead: {ahead.call_count > 0}")
+    for request_id in expected:
+        assert request_id in finished or request_id in aborted
+        if request_id in finished:
+            assert finished[request_id].output_ids == expected[request_id]
+    radix = engine.scheduler.radix
+    assert engine.kv.num_used == (len(radix.blocks()) if radix else 0)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels did not build here")
+def test_greedy_decodes_run_ahead_only_while_nobody_waits(monkeypatch):
+    monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: False)
+    engine = Engine(AHEAD_MODEL, config=EngineConfig(kv_cache_bytes=10_000_000, decode_steps=4))
+    ahead = mock.patch.object(engine, "decode_ahead", wraps=engine.decode_ahead).start()
+    outputs = {}
+
+    def step():
+        deltas, finished = engine.step()
+        outputs.update({output.request_id: output.output_ids for output in finished})
+        return deltas
+
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=11, temperature=0))
+    engine.add_request("b", [4, 5], SamplingParams(max_tokens=11, temperature=0, logprobs=0))
+    engine.add_request("c", [6], SamplingParams(max_tokens=11, temperature=0))
+    step()  # the three prompts
+    engine.abort("b")  # logprobs need the logits of every step
+    step()  # the first decode step of two rows: measured, one step
+    assert ahead.call_count == 0
+    deltas = step()
+    assert [call.args[1] for call in ahead.call_args_list] == [4]
+    assert [len(delta.token_ids) for delta in deltas] == [4, 4]  # one delta per request, of the run's 4 tokens
+    engine.add_request("d", [7, 8], SamplingParams(max_tokens=5, temperature=0))
+    step()  # d waits: one step, its prompt with a's and c's decodes
+    step()  # the first decode step of three rows
+    step()  # a and c have 11 - 8 tokens left, d 5 - 2
+    assert [call.args[1] for call in ahead.call_args_list] == [4, 3]
+    assert not engine.has_work()
+    assert engine.prefill_tokens == 3 + 2 + 2  # the prompts of more than one token, nothing computed twice
+    for request_id, prompt, max_tokens in (("a", [1, 2, 3], 11), ("c", [6], 11), ("d", [7, 8], 5)):
+        assert outputs[request_id] == one_step_reference(tuple(prompt), max_tokens, ())
+    assert engine.kv.num_used == len(engine.scheduler.radix.blocks())
 
 
 def test_preemption_by_recompute_loses_nothing():

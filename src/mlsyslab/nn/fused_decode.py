@@ -28,7 +28,7 @@ import torch
 from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.llama import Llama, rope_cos_sin, rope_inverse_frequencies
 from mlsyslab.nn.packed_linear import Kernel, PackedLinear
-from mlsyslab.nn.paged_attention import PagedAttention
+from mlsyslab.nn.paged_attention import DecodeSteps, PagedAttention
 
 
 @dataclass
@@ -81,16 +81,38 @@ class FusedDecode:
         plan = self.plan(len(input_ids))
         config, ops = model.config, cpu_kernels.load()
         if plan.streamed:  # the embedding and rope rows are looked up in the step too
-            return ops.streamed_decode(
-                model.embed_tokens.weight, input_ids, positions, self.cos, self.sin, self.norms, plan.weights,
-                model.norm.weight, plan.head_weight, config.vocab, attention.k_cache, attention.v_cache,
-                attention.slot_mapping, attention.decode_tables, attention.decode_lengths, logits_rows, config.heads,
-                config.ffn_hidden, config.rms_norm_eps)
+            logits, greedy = self.streamed(input_ids, positions[None], attention.k_cache, attention.v_cache,
+                                           attention.slot_mapping[None], attention.decode_tables,
+                                           attention.decode_lengths[None], logits_rows)
+            return logits, greedy[0]
         hidden = ops.decode_layers(
             model.embed_tokens(input_ids), self.cos[positions], self.sin[positions], self.norms, plan.weights,
             plan.kernels, self.out_features, attention.k_cache, attention.v_cache, attention.slot_mapping,
             attention.decode_tables, attention.decode_lengths, config.heads, config.rms_norm_eps)
         return model.lm_head(model.norm(hidden[logits_rows])), None
+
+    def runs_ahead(self, rows: int) -> bool:
+        """Whether steps of `rows` decodes can run several at a time (`ahead`): the streamed step only."""
+        return self.plan(rows).streamed
+
+    def ahead(self, input_ids: torch.Tensor, steps: DecodeSteps) -> torch.Tensor:
+        """Greedy multi-step decoding: `len(steps.positions)` steps of the same sequences in one C++ call, each
+        row's greedy token (first largest logit) fed back as its next input. Each step is the one `__call__` runs
+        (bit-equal logits, tests/nn/test_fused_decode.py). -> the tokens [steps, rows]."""
+        if not self.runs_ahead(len(input_ids)):
+            raise ValueError(f"steps of {len(input_ids)} rows do not take the streamed step; run them one at a time")
+        return self.streamed(input_ids, steps.positions, steps.k_cache, steps.v_cache, steps.slot_mapping, steps.tables,
+                             steps.lengths, torch.arange(len(input_ids)))[1]
+
+    def streamed(self, input_ids, positions, k_cache, v_cache, slots, tables, lengths, logits_rows
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`streamed_decode` (csrc/streamed_decode.cpp) on this model: positions, slots, lengths [steps, rows]."""
+        model, config = self.model, self.model.config
+        plan = self.plan(len(input_ids))
+        return cpu_kernels.load().streamed_decode(
+            model.embed_tokens.weight, input_ids, positions, self.cos, self.sin, self.norms, plan.weights,
+            model.norm.weight, plan.head_weight, config.vocab, k_cache, v_cache, slots, tables, lengths, logits_rows,
+            config.heads, config.ffn_hidden, config.rms_norm_eps)
 
     def plan(self, rows: int) -> StepPlan:
         """The kernels and weights of a step of `rows` tokens (computed once per row count)."""

@@ -116,6 +116,39 @@ class PagedAttention:
                                 self.decode_len).to(query.dtype)
 
 
+@dataclass(frozen=True)
+class DecodeSteps:
+    """The inputs of several decode steps of the same sequences in one call (multi-step decoding,
+    `nn.fused_decode.FusedDecode.ahead`): sequence i's new token at step j sits at position `first[i] + j`.
+    positions, slot_mapping, lengths [steps, sequences]; tables [sequences, blocks] cover the last step."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    lengths: torch.Tensor
+    tables: torch.Tensor
+
+    @classmethod
+    def of(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: list[list[int]], first: list[int],
+           steps: int) -> "DecodeSteps":
+        """Caches [layers, kv_heads, num_blocks, block_size, head_dim]; each table must hold its sequence's
+        `first + steps` tokens (the caller reserved the blocks)."""
+        block_size = k_cache.shape[3]
+        needed = [-(-(position + steps) // block_size) for position in first]
+        for table, count, position in zip(block_tables, needed, first):
+            if len(table) < count:
+                raise ValueError(f"a block table of {len(table)} blocks cannot hold positions {position}.."
+                                 f"{position + steps - 1} (block size {block_size})")
+        width = max(needed)
+        tables = torch.tensor([table[:count] + [table[0]] * (width - count)
+                               for table, count in zip(block_tables, needed)], dtype=torch.long)
+        positions = torch.tensor(first, dtype=torch.long)[None, :] + torch.arange(steps)[:, None]
+        blocks = tables.gather(1, (positions // block_size).t()).t()
+        slots = (blocks * block_size + positions % block_size).contiguous()
+        return cls(k_cache, v_cache, positions, slots, positions + 1, tables)
+
+
 def decode_attention(query, k_cache, v_cache, rows, mask, length: int) -> torch.Tensor:
     """query [D, heads, d] (one new token per sequence); caches [kv, num_blocks, block_size, d];
     rows: `cache_rows` of the D block tables; mask [D, length] (True: a real token) or None

@@ -37,13 +37,13 @@ from mlsyslab.nn.llama import Llama
 from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.fused_decode import FusedDecode
 from mlsyslab.nn.packed_linear import can_pack, packed_for_inference
-from mlsyslab.nn.paged_attention import PagedAttention, SequenceSlice
+from mlsyslab.nn.paged_attention import DecodeSteps, PagedAttention, SequenceSlice
 from mlsyslab.nn.tokenizer import Tokenizer
 from mlsyslab.serve.kv_cache import KVCache
 from mlsyslab.serve.output import Delta, OutputTracker, RequestOutput
 from mlsyslab.serve.request import Request
-from mlsyslab.serve.sampling import SamplerInput, SamplingParams, sample
-from mlsyslab.serve.scheduler import Scheduler
+from mlsyslab.serve.sampling import Sampled, SamplerInput, SamplingParams, plain_greedy, sample
+from mlsyslab.serve.scheduler import Scheduled, Scheduler
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,9 @@ class EngineConfig:
     fused_decode: bool = True  # decode-only steps run every layer in one C++ call where it applies (nn.fused_decode)
     fp32_steps_from: int | None = None  # 16-bit CPU weights: steps of this many tokens or more run on an fp32
     # copy of them (None: 16 unless the CPU has AMX, 0: never); see `wide_step_model`
+    decode_steps: int = 8  # greedy decodes may run up to this many steps in one call while nobody waits
+    # (multi-step decoding; 1: off); see `steps_ahead`
+    decode_ahead_s: float = 0.1  # ... and only as many as take about this long (what an arrival may wait)
 
 
 class Engine:
@@ -68,6 +71,10 @@ class Engine:
 
     def __init__(self, model: Llama, tokenizer: Tokenizer | None = None, config: EngineConfig = EngineConfig(),
                  eos_token_ids: frozenset[int] | None = None):
+        if config.decode_steps < 1:
+            raise InvalidValue("decode_steps", config.decode_steps, ">= 1 (1: one step per call)")
+        if not config.decode_ahead_s >= 0:
+            raise InvalidValue("decode_ahead_s", config.decode_ahead_s, ">= 0 seconds")
         self.source_model, self.tokenizer, self.config = model.eval(), tokenizer, config
         self.model, self.fused_decode = self.serving_copy(model)
         self.wide_model, self.wide_from = self.wide_step_model(model)
@@ -83,6 +90,7 @@ class Engine:
         self.arrivals = itertools.count()
         self.seed_source = torch.Generator().manual_seed(0)
         self.steps = self.prefill_tokens = self.decode_tokens = 0
+        self.decode_step_s: dict[int, float] = {}  # the last decode step's seconds, by rows (`steps_ahead`)
 
     def serving_copy(self, model: Llama, min_rows: int = 1) -> tuple[Llama, FusedDecode | None]:
         """The model the steps of `min_rows` tokens or more run (prepacked where it can be), and its
@@ -152,12 +160,19 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> tuple[list[Delta], list[RequestOutput]]:
-        """Run one iteration; returns the deltas of the requests that produced a token, and the finished ones."""
+        """Run one iteration; returns the deltas of the requests that produced tokens (one delta each), and the
+        finished ones."""
         batch = self.scheduler.schedule()
         if not batch:
             return [], []
-        ids, positions, slices, rows = [], [], [], []
         sampling = [item.request for item in batch if item.samples]
+        steps = self.steps_ahead(batch)
+        drawn = self.decode_ahead(batch, steps) if steps > 1 else [[token] for token in self.one_step(batch, sampling)]
+        return self.deliver(sampling, drawn)
+
+    def one_step(self, batch: list[Scheduled], sampling: list[Request]) -> list[Sampled]:
+        """One model step over the batch's tokens packed in a row; the sampling requests' next tokens."""
+        ids, positions, slices, rows = [], [], [], []
         for item in batch:
             request, start = item.request, item.request.num_computed
             ids += request.all_ids[start:start + item.num_tokens]
@@ -171,20 +186,76 @@ class Engine:
         fused = model is self.model and self.fused_decode is not None and not attention.prefills and attention.in_place
         inputs = (torch.tensor(ids, device=device), torch.tensor(positions, device=device), attention,
                   torch.tensor(rows, dtype=torch.long, device=device))
+        start_s = time.perf_counter()
         logits, argmax = self.fused_decode(*inputs) if fused else (model.forward_packed(*inputs), None)
-        self.steps += 1
-        self.decode_tokens += sum(1 for item in batch if item.num_tokens == 1)
-        self.prefill_tokens += sum(item.num_tokens for item in batch if item.num_tokens > 1)
+        if fused:
+            self.decode_step_s[len(batch)] = time.perf_counter() - start_s
+        self.count(batch, 1)
         self.scheduler.after_step(batch)
-        drawn = sample(logits, [SamplerInput(r.params, r.prompt_ids, r.output_ids, r.generator) for r in sampling],
-                       argmax)
+        return sample(logits, [SamplerInput(r.params, r.prompt_ids, r.output_ids, r.generator) for r in sampling],
+                      argmax)
+
+    def steps_ahead(self, batch: list[Scheduled]) -> int:
+        """How many decode steps the batch runs in one call: multi-step decoding (vLLM's `--num-scheduler-steps`),
+        each row's greedy token fed back in C++ (`FusedDecode.ahead`), so the Python around a step (~0.6 ms of a
+        12 ms bf16 step at batch 1 here: building its inputs, bookkeeping) runs once for them all.
+
+        More than one only when it changes no output and keeps nobody waiting: every request decodes greedily
+        without penalties or logprobs (then the step's argmax is the token), nothing is waiting to be admitted,
+        the step takes the streamed kernel on the serving weights, and the pool has free blocks for all of them.
+        At most `decode_steps`, about `decode_ahead_s` of measured steps (an arrival waits for the run to end),
+        and no request's max_tokens or the context length: a stop token or string met earlier ends the request
+        there, and the K/V computed past it are dropped with its blocks."""
+        most = self.config.decode_steps
+        measured = self.decode_step_s.get(len(batch))
+        wide = self.wide_model is not None and len(batch) >= self.wide_from
+        if (most <= 1 or self.fused_decode is None or measured is None or self.scheduler.waiting or wide
+                or not self.fused_decode.runs_ahead(len(batch))):
+            return 1
+        if any(item.num_tokens != 1 or not item.samples or not plain_greedy(item.request.params) for item in batch):
+            return 1
+        max_seq = self.model.config.max_seq
+        most = min([most, int(self.config.decode_ahead_s / measured)]
+                   + [min(item.request.params.max_tokens - len(item.request.output_ids), max_seq - item.request.num_tokens)
+                      for item in batch])
+        if most <= 1 or not self.scheduler.reserve_ahead([item.request for item in batch], most):
+            return 1
+        return most
+
+    def decode_ahead(self, batch: list[Scheduled], steps: int) -> list[list[Sampled]]:
+        """`steps` greedy decode steps of the batch in one call (see `steps_ahead`); each request's tokens."""
+        requests = [item.request for item in batch]
+        inputs = DecodeSteps.of(self.kv.k, self.kv.v, [r.blocks for r in requests], [r.num_computed for r in requests],
+                                steps)
+        ids = torch.tensor([r.all_ids[r.num_computed] for r in requests])
+        start_s = time.perf_counter()
+        tokens = self.fused_decode.ahead(ids, inputs)
+        self.decode_step_s[len(batch)] = (time.perf_counter() - start_s) / steps
+        self.count(batch, steps)
+        self.scheduler.after_step(batch)
+        return [[Sampled(token) for token in row] for row in tokens.t().tolist()]
+
+    def count(self, batch: list[Scheduled], steps: int) -> None:
+        self.steps += steps
+        self.decode_tokens += steps * sum(1 for item in batch if item.num_tokens == 1)
+        self.prefill_tokens += sum(item.num_tokens for item in batch if item.num_tokens > 1)
+
+    def deliver(self, sampling: list[Request], drawn: list[list[Sampled]]) -> tuple[list[Delta], list[RequestOutput]]:
+        """Hand each request its tokens in order, up to the first that finishes it; one delta per request."""
         now = time.perf_counter()
         deltas, finished = [], []
-        for request, sampled in zip(sampling, drawn):
+        for request, tokens in zip(sampling, drawn):
             if request.first_token_s is None:
                 request.first_token_s = now
             tracker = self.trackers[request.request_id]
-            delta, reason = tracker.add(sampled)
+            delta = None
+            for index, sampled in enumerate(tokens):
+                if index:  # a multi-step run fed the previous token back: its K/V are in the cache too
+                    request.num_computed += 1
+                added, reason = tracker.add(sampled)
+                delta = added if delta is None else delta.then(added)
+                if reason is not None:
+                    break
             deltas.append(delta)
             if reason is not None:
                 self.scheduler.finish(request, reason)

@@ -30,6 +30,11 @@ class Delta:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def then(self, later: "Delta") -> "Delta":
+        """This delta and a later one of the same request as one (the tokens of a multi-step decode)."""
+        return Delta(self.request_id, self.token_ids + later.token_ids, self.text + later.text,
+                     self.logprobs + later.logprobs, later.finish_reason)
+
 
 @dataclass
 class RequestOutput:

@@ -146,6 +146,11 @@ def pick(logits: torch.Tensor, rows: list[SamplerInput], greedy: list[int], samp
     return tokens
 
 
+def plain_greedy(params: SamplingParams) -> bool:
+    """Whether a row's token is its largest logit and nothing more is reported (no penalties, no logprobs)."""
+    return params.greedy and not penalised(params) and params.logprobs is None
+
+
 def penalised(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0
 

@@ -151,6 +151,18 @@ class Scheduler:
         request.blocks += self.kv.allocate(needed)
         return True
 
+    def reserve_ahead(self, requests: list[Request], count: int) -> bool:
+        """Own the blocks for `count` more tokens of each request (multi-step decoding), from free blocks only:
+        nothing is evicted or preempted for tokens that may never be kept. False, taking nothing, if too few are
+        free. (A request keeps what it took until it finishes or is preempted, as it would for its next tokens.)"""
+        needed = [self.kv.blocks_for(request.num_computed + count) - len(request.blocks) for request in requests]
+        if sum(max(0, n) for n in needed) > self.kv.num_free:
+            return False
+        for request, n in zip(requests, needed):
+            if n > 0:
+                request.blocks += self.kv.allocate(n)
+        return True
+
     def preempt(self, request: Request) -> None:
         """Recompute preemption: give the blocks back, requeue in arrival order, keep the output."""
         self.running.remove(request)

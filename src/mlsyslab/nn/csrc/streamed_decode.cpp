@@ -22,9 +22,10 @@
 // A/B in one process, alternating, bit-equal logits: 0.95x the step time with the vectorized x conversion of
 // streamed_linear.cpp, in a noisy phase of the host; 0.99x at 8 rows.)
 // and after the last layer logits = rms_norm(h[rows])·Wheadᵀ, each thread noting the largest logit of its
-// columns (the step's greedy tokens, merged after the region: no second pass over the logits, no
+// columns (the step's greedy tokens, merged after a barrier: no second pass over the logits, no
 // ATen op after the step). The embedding rows and the rope rows of the step's positions are copied in
-// here too. Every number is computed by the same
+// here too. A call can run several steps (multi-step decoding): each row's greedy token is then the next
+// step's input, its embedding row copied into h between the steps, without leaving the region. Every number is computed by the same
 // compiled functions, on the same row layouts, as the per-op path (the range functions of kernels.h),
 // so the logits and the cache are bit-equal to decode_layers' and to the Python layers'
 // (tests/nn/test_fused_decode.py). A thread keeps the same share of each matrix every step.
@@ -66,21 +67,22 @@ struct Share {
 
 template <typename T>
 struct Step {
-  int64_t layers, tokens, hidden, heads, kv_heads, head_dim, ffn, vocab, slots_per_head;
+  int64_t steps, layers, tokens, hidden, heads, kv_heads, head_dim, ffn, vocab, slots_per_head;
   float eps;
+  const T* embedding;  // [vocab, hidden]: where the next step's rows come from
   const T* cos;  // [positions, head_dim]: a token's rope row is its position's
   const T* sin;
-  const int64_t* positions;  // [tokens]
+  const int64_t* positions;  // [tokens] of the step being run ([steps, tokens] in `run`'s template)
   std::vector<const T*> norms;  // 2 per layer
   std::vector<const T*> tiles;  // 4 per layer (q|k|v, o, gate|up, down), then the lm_head's
   std::vector<int64_t> chunks;  // of each matrix's tiles
   const T* final_norm;
   T* k_cache;  // [layers, kv_heads, slots_per_head, head_dim]
   T* v_cache;
-  const int64_t* slots;  // [tokens]
+  const int64_t* slots;  // [tokens], as positions
   const int64_t* rows;   // the rows of h whose logits are wanted
   int64_t logit_rows;
-  PagedDecode<T> attention;  // pointers of layer 0's cache; moved per layer
+  PagedDecode<T> attention;  // pointers of layer 0's cache (moved per layer) and the step's lengths (as positions)
   // step buffers: h, q|k|v, silu(gate)·up, logits, the attention's queries (each thread has its own of the rest)
   T* h;
   T* qkv;
@@ -90,6 +92,16 @@ struct Step {
   // per thread and logits row: the largest logit of the thread's columns and its first column
   float* best_logit;   // [threads, logit_rows]
   int64_t* best_column;  // [threads, logit_rows], -1 where the thread had no columns
+  int64_t* greedy;       // [steps, logit_rows]: each step's greedy tokens
+
+  // The inputs of step `step` of a run: its positions, slots and context lengths.
+  Step at(int64_t step) const {
+    Step now = *this;
+    now.positions += step * tokens;
+    now.slots += step * tokens;
+    now.attention.lengths += step * tokens;
+    return now;
+  }
 };
 
 // A thread's own buffers: its rows of rms_norm(h), rope's scratch, one item's merged attention output (fp32) and
@@ -216,25 +228,17 @@ void layer(const Step<T>& s, int64_t l, Scratch<T>& own, int t, int threads) {
 }
 
 template <typename T>
-void run(const Step<T>& s, int64_t max_threads) {
-#pragma omp parallel num_threads(max_threads)
-  {
-    const int threads = omp_get_num_threads(), t = omp_get_thread_num();
-    Scratch<T> own(s);
-    for (int64_t l = 0; l < s.layers; ++l) layer(s, l, own, t, threads);
-    norm_rows(s, s.final_norm, own.normed.data(), s.logit_rows, s.rows);
-    product(s, 4 * s.layers, own.normed.data(), s.logit_rows, s.hidden, s.vocab, s.logits, t, threads);
-    const Share groups((s.vocab + 7) / 8, t, threads);  // the columns `product` gave this thread
-    const int64_t begin = groups.begin * 8, end = std::min(groups.end * 8, s.vocab);
-    for (int64_t r = 0; r < s.logit_rows; ++r) {
-      const T* row = s.logits + r * s.vocab;
-      float best = -std::numeric_limits<float>::max();
-      int64_t column = -1;
-      for (int64_t c = begin; c < end; ++c)
-        if (column < 0 || widen(row[c]) > best) best = widen(row[c]), column = c;
-      s.best_logit[t * s.logit_rows + r] = best;
-      s.best_column[t * s.logit_rows + r] = column;
-    }
+void note_largest_logits(const Step<T>& s, int t, int threads) {
+  const Share groups((s.vocab + 7) / 8, t, threads);  // the columns `product` gave this thread
+  const int64_t begin = groups.begin * 8, end = std::min(groups.end * 8, s.vocab);
+  for (int64_t r = 0; r < s.logit_rows; ++r) {
+    const T* row = s.logits + r * s.vocab;
+    float best = -std::numeric_limits<float>::max();
+    int64_t column = -1;
+    for (int64_t c = begin; c < end; ++c)
+      if (column < 0 || widen(row[c]) > best) best = widen(row[c]), column = c;
+    s.best_logit[t * s.logit_rows + r] = best;
+    s.best_column[t * s.logit_rows + r] = column;
   }
 }
 
@@ -254,14 +258,46 @@ void merge_greedy(const float* best_logit, const int64_t* best_column, int64_t t
   }
 }
 
+// `s.steps` decode steps, each row's greedy token fed back as its next input (then logit_rows are all the rows, in
+// order). Between steps every thread merges the greedy tokens itself (the same numbers in every thread) and copies
+// its share of the next step's embedding rows into h: two barriers a step.
+template <typename T>
+void run(const Step<T>& s, int64_t max_threads) {
+#pragma omp parallel num_threads(max_threads)
+  {
+    const int threads = omp_get_num_threads(), t = omp_get_thread_num();
+    Scratch<T> own(s);
+    std::vector<int64_t> greedy(s.logit_rows);
+    for (int64_t step = 0; step < s.steps; ++step) {
+      const Step<T> now = s.at(step);
+      for (int64_t l = 0; l < s.layers; ++l) layer(now, l, own, t, threads);
+      norm_rows(now, s.final_norm, own.normed.data(), s.logit_rows, s.rows);
+      product(now, 4 * s.layers, own.normed.data(), s.logit_rows, s.hidden, s.vocab, s.logits, t, threads);
+      note_largest_logits(now, t, threads);
+#pragma omp barrier
+      merge_greedy(s.best_logit, s.best_column, threads, s.logit_rows, greedy.data());
+      if (t == 0) std::copy(greedy.begin(), greedy.end(), s.greedy + step * s.logit_rows);
+      if (step + 1 == s.steps) break;
+      const Share rows(s.tokens, t, threads);
+      for (int64_t r = rows.begin; r < rows.end; ++r)
+        std::memcpy(s.h + r * s.hidden, s.embedding + greedy[r] * s.hidden, s.hidden * sizeof(T));
+#pragma omp barrier
+    }
+  }
+}
+
 }  // namespace
 
 namespace mlsyslab {
 
-// input_ids, positions [tokens] -> (logits [rows, vocab] of the rows `logit_rows` names, each row's greedy token).
+// input_ids [tokens], positions, slots, lengths [steps, tokens] -> (logits [rows, vocab] of the rows `logit_rows`
+// names, at the last step; each step's greedy tokens [steps, rows]). With more than one step every row is a
+// logits row, in order, and each row's greedy token is its next step's input (multi-step decoding, as vLLM's
+// `--num-scheduler-steps`: the caller reserved the slots of every step).
 // embedding [vocab, hidden]; cos, sin: the rope rows of every position [positions, head_dim]; norms: 2 per
 // layer; tiles: 4 per layer (qkv, o, gate|up, down), from stream_pack; caches
-// [layers, kv_heads, num_blocks, block_size, head_dim]; one new token per sequence.
+// [layers, kv_heads, num_blocks, block_size, head_dim]; tables [tokens, blocks] cover the last step; one new token per
+// sequence a step.
 std::tuple<at::Tensor, at::Tensor> streamed_decode(
                            const at::Tensor& embedding, const at::Tensor& input_ids, const at::Tensor& positions,
                            const at::Tensor& cos, const at::Tensor& sin,
@@ -271,25 +307,37 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
                            const at::Tensor& logit_rows, int64_t heads, int64_t ffn, double eps) {
   check_float_or_bf16(embedding, "embedding");
   const auto dtype = embedding.scalar_type();
-  TORCH_CHECK(embedding.dim() == 2 && embedding.is_contiguous(), "embedding: contiguous [vocab, hidden]");
+  TORCH_CHECK(embedding.dim() == 2 && embedding.is_contiguous() && embedding.size(0) >= vocab,
+              "embedding: contiguous [vocab, hidden]");
   const int64_t hidden = embedding.size(1);
-  TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() &&
-              positions.sizes() == input_ids.sizes() && positions.scalar_type() == at::kLong &&
-              positions.is_contiguous(), "input_ids, positions: contiguous int64 [tokens]");
+  TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong && input_ids.is_contiguous(),
+              "input_ids: contiguous int64 [tokens]");
   const int64_t tokens = input_ids.size(0);
+  for (const auto& [tensor, name] : {std::pair{&positions, "positions"}, {&slots, "slots"}, {&lengths, "lengths"}}) {
+    TORCH_CHECK(tensor->dim() == 2 && tensor->size(0) >= 1 && tensor->size(1) == tokens &&
+                tensor->scalar_type() == at::kLong && tensor->is_contiguous(), name,
+                ": contiguous int64 [steps, tokens], steps >= 1, as positions");
+    TORCH_CHECK(tensor->size(0) == positions.size(0), name, ": as many steps as positions");
+  }
+  const int64_t steps = positions.size(0);
   for (int64_t i = 0; i < tokens; ++i) {
-    const int64_t id = input_ids.data_ptr<int64_t>()[i], position = positions.data_ptr<int64_t>()[i];
+    const int64_t id = input_ids.data_ptr<int64_t>()[i];
     TORCH_CHECK(id >= 0 && id < embedding.size(0), "input_ids[", i, "] = ", id, ": not a token of the embedding (0..",
                 embedding.size(0) - 1, ")");
-    TORCH_CHECK(position >= 0 && position < cos.size(0), "positions[", i, "] = ", position,
+  }
+  for (int64_t i = 0; i < steps * tokens; ++i) {
+    const int64_t position = positions.data_ptr<int64_t>()[i];
+    TORCH_CHECK(position >= 0 && position < cos.size(0), "positions[", i / tokens, "][", i % tokens, "] = ", position,
                 ": outside the rope tables' ", cos.size(0), " positions");
   }
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
               v_cache.is_contiguous() && k_cache.scalar_type() == dtype,
               "k_cache, v_cache: [layers, kv_heads, num_blocks, block_size, head_dim] in the embedding's dtype");
   const int64_t layers = k_cache.size(0), kv_heads = k_cache.size(1), head_dim = k_cache.size(4);
-  check_paged_cache(k_cache[0], v_cache[0], heads, tables, lengths, tokens);
-  check_slots(slots, tokens, k_cache.size(2) * k_cache.size(3));
+  for (int64_t step = 0; step < steps; ++step) {
+    check_paged_cache(k_cache[0], v_cache[0], heads, tables, lengths[step], tokens);
+    check_slots(slots[step], tokens, k_cache.size(2) * k_cache.size(3));
+  }
   TORCH_CHECK(int64_t(norms.size()) == 2 * layers && int64_t(tiles.size()) == 4 * layers,
               "norms: 2 per layer, tiles: 4 per layer, for ", layers, " layers");
   for (const at::Tensor& norm : norms) {
@@ -315,7 +363,11 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
   for (int64_t i = 0; i < logit_rows.size(0); ++i) {
     const int64_t row = logit_rows.data_ptr<int64_t>()[i];
     TORCH_CHECK(row >= 0 && row < tokens, "logit_rows[", i, "] = ", row, ": not a row of hidden (0..", tokens - 1, ")");
+    TORCH_CHECK(steps == 1 || row == i, "logit_rows[", i, "] = ", row, ": a run of ", steps,
+                " steps feeds every row's token back, so logit_rows must be 0..tokens-1");
   }
+  TORCH_CHECK(steps == 1 || logit_rows.size(0) == tokens, "logit_rows: every row (0..", tokens - 1, ") in a run of ",
+              steps, " steps");
 
   const auto options = embedding.options();
   at::Tensor h = embedding.index_select(0, input_ids), qkv = at::empty({tokens, shapes[0][0]}, options);
@@ -325,11 +377,12 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
   const int64_t max_threads = at::get_num_threads(), rows = logit_rows.size(0);
   std::vector<float> best_logit(max_threads * rows);
   std::vector<int64_t> best_column(max_threads * rows, -1);
-  at::Tensor greedy = at::empty({rows}, logit_rows.options());
+  at::Tensor greedy = at::empty({steps, rows}, logit_rows.options());
   const auto fill = [&](auto tag) {
     using T = decltype(tag);
-    Step<T> s{layers, tokens, hidden, heads, kv_heads, head_dim, ffn, vocab, k_cache.size(2) * k_cache.size(3),
-              float(eps), cos.data_ptr<T>(), sin.data_ptr<T>(), positions.data_ptr<int64_t>(), {}, {}, {},
+    Step<T> s{steps, layers, tokens, hidden, heads, kv_heads, head_dim, ffn, vocab, k_cache.size(2) * k_cache.size(3),
+              float(eps), embedding.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), positions.data_ptr<int64_t>(),
+              {}, {}, {},
               final_norm.data_ptr<T>(),
               k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), slots.data_ptr<int64_t>(),
               logit_rows.data_ptr<int64_t>(), logit_rows.size(0),
@@ -338,8 +391,7 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
                              tokens, heads, kv_heads, k_cache.size(2), k_cache.size(3), tables.size(1), head_dim,
                              float(1.0 / std::sqrt(double(head_dim))), tokens * heads * head_dim},
               h.data_ptr<T>(), qkv.data_ptr<T>(), act.data_ptr<T>(), logits.data_ptr<T>(), query.data_ptr<float>(),
-              best_logit.data(),
-              best_column.data()};
+              best_logit.data(), best_column.data(), greedy.data_ptr<int64_t>()};
     for (const at::Tensor& norm : norms) s.norms.push_back(norm.data_ptr<T>());
     for (int64_t i = 0; i <= 4 * layers; ++i) {
       const at::Tensor& tile = i < 4 * layers ? tiles[i] : head_tiles;
@@ -350,7 +402,6 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
   };
   if (dtype == at::kFloat) fill(float{});
   else fill(c10::BFloat16{});
-  merge_greedy(best_logit.data(), best_column.data(), max_threads, rows, greedy.data_ptr<int64_t>());
   return {logits, greedy};
 }
 
