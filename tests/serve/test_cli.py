@@ -26,6 +26,7 @@ def test_generate_json(capsys, monkeypatch):
                                          (["generate", "hi", "--model", "/no/such.gguf"], "model"),
                                          (["serve", "--port", "70000"], "--port"),
                                          (["serve", "--kv-cache-gb", "0"], "--kv-cache-gb"),
+                                         (["serve", "--decode-steps", "0"], "--decode-steps"),
                                          (["bench", "serve", "--url", "http://127.0.0.1:9/v1", "--hardware", "local"], "--hardware"),
                                          (["bench", "serve", "--hardware", "no-such-chip"], "no-such-chip"),
                                          (["bench", "serve", "--no-stream"], "--no-stream"),

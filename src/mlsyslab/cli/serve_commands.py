@@ -36,6 +36,9 @@ def serve_command(
     max_running: Annotated[int, typer.Option(help="requests batched at once")] = 64,
     max_waiting: Annotated[int, typer.Option(help="queue bound; beyond it requests get HTTP 503")] = 256,
     prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="reuse shared prompt prefixes")] = True,
+    decode_steps: Annotated[Optional[int], typer.Option(
+        "--decode-steps", help="greedy decode steps one call may run while nobody waits (multi-step decoding; "
+        "1: off; default: the engine's, 8)")] = None,
     cache_dir: CacheDir = None,
 ):
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
@@ -44,7 +47,8 @@ def serve_command(
     from mlsyslab.serve.server import build_server
 
     check_range("--port", port, 0, 65535)
-    config = engine_config(kv_cache_gb, block_size, max_batched_tokens, max_running, max_waiting, prefix_cache)
+    config = engine_config(kv_cache_gb, block_size, max_batched_tokens, max_running, max_waiting, prefix_cache,
+                           decode_steps)
     start = time.perf_counter()
     load_model, load_tokenizer, name = loaders(model, dtype, threads, cache_dir)
     app, engine = build_server(load_model, load_tokenizer, name, config, threads or serving_threads())
@@ -102,18 +106,21 @@ def serving_threads() -> int:
     return os.cpu_count() or 1
 
 
-def engine_config(kv_cache_gb, block_size, max_batched_tokens, max_running, max_waiting, prefix_cache):
+def engine_config(kv_cache_gb, block_size, max_batched_tokens, max_running, max_waiting, prefix_cache,
+                  decode_steps=None):
     from mlsyslab.serve.engine import EngineConfig
 
     if max_batched_tokens is None:
         max_batched_tokens = EngineConfig.max_batched_tokens
+    if decode_steps is None:
+        decode_steps = EngineConfig.decode_steps
     check_positive(block_size=block_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
-                   max_waiting=max_waiting)
+                   max_waiting=max_waiting, decode_steps=decode_steps)
     if not kv_cache_gb > 0:
         raise InvalidValue("--kv-cache-gb", kv_cache_gb, "> 0")
     return EngineConfig(kv_cache_bytes=int(kv_cache_gb * 1e9), block_size=block_size,
                         max_batched_tokens=max_batched_tokens, max_running=max_running, max_waiting=max_waiting,
-                        prefix_cache=prefix_cache)
+                        prefix_cache=prefix_cache, decode_steps=decode_steps)
 
 
 def loaders(model: str, dtype: str, threads: int | None, cache_dir: Path | None):

@@ -217,7 +217,7 @@ class Engine:
         if any(item.num_tokens != 1 or not item.samples or not plain_greedy(item.request.params) for item in batch):
             return 1
         max_seq = self.model.config.max_seq
-        most = min([most, int(self.config.decode_ahead_s / measured)]
+        most = min([most, int(self.config.decode_ahead_s / max(measured, 1e-9))]
                    + [min(item.request.params.max_tokens - len(item.request.output_ids), max_seq - item.request.num_tokens)
                       for item in batch])
         if most <= 1 or not self.scheduler.reserve_ahead([item.request for item in batch], most):
