@@ -74,6 +74,25 @@ def test_avx2_cpus_stream_small_steps(monkeypatch, dtype, wide):
     check_every_row_count(dtype)
 
 
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels did not build here")
+def test_streamed_tiles_share_one_huge_page_buffer_in_step_order(monkeypatch):
+    monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: False)
+    model = Llama(CONFIG).initialize(0.1, torch.Generator().manual_seed(0)).to(torch.bfloat16).eval()
+    packed = packed_for_inference(model)
+    linears = [linear for layer in packed.layers for linear in (layer.self_attn.fused_qkv, layer.self_attn.o_proj,
+                                                                 layer.mlp.fused_gate_up, layer.mlp.down_proj)]
+    linears.append(packed.lm_head)
+    tiles = [linear.stream_tiles for linear in linears]
+    assert len({t.untyped_storage().data_ptr() for t in tiles}) == 1
+    assert tiles[0].untyped_storage().data_ptr() % (2 << 20) == 0  # whole 2 MB pages
+    addresses = [t.data_ptr() for t in tiles]
+    assert addresses == sorted(addresses) and all(a % 64 == 0 for a in addresses)
+    weights = [torch.cat([model.layers[i].self_attn.q_proj.weight, model.layers[i].self_attn.k_proj.weight,
+                          model.layers[i].self_attn.v_proj.weight]) for i in range(CONFIG.layers)]
+    assert torch.equal(tiles[0], cpu_kernels.load().stream_pack(weights[0]))
+    assert torch.equal(tiles[-1], cpu_kernels.load().stream_pack(model.lm_head.weight))
+
+
 def test_min_rows_prepares_only_the_kernels_it_can_reach():
     """A copy for wide steps only (the engine's fp32 copy of 16-bit weights) prepares no kernel that
     serves fewer rows, and still computes x Wᵀ."""

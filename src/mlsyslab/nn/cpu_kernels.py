@@ -13,6 +13,8 @@
   region, when every matrix takes the streamed kernel; used by `nn.fused_decode`.
 - `softmax_draw` (csrc/softmax_draw.cpp): one token per row from softmax(logits / T) by inverse CDF;
   used by `serve.sampling` for the rows that sample without top-k / top-p / min-p.
+- `huge_page_buffer` (csrc/huge_pages.cpp): bytes on transparent huge pages, where the serving copy keeps
+  its streamed weights (`nn.packed_linear`).
 
 The kernels are compiled at first use with `torch.utils.cpp_extension.load` (g++ and ninja; ~15 s
 here) into the torch extensions cache and loaded in well under a second afterwards. They are built
