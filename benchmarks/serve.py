@@ -268,7 +268,7 @@ def read_bandwidth() -> float:
     keeps its streamed weights; the sum read 26-28 GB/s in 4 kB pages and 29-31 on huge ones here): the higher."""
     buffers = [torch.ones(128 * 1024 * 1024)]
     if cpu_kernels.load() is not None:
-        buffers.append(cpu_kernels.load().huge_page_buffer(512 * 1024 * 1024).view(torch.float32).fill_(1.0))
+        buffers.append(cpu_kernels.huge_page_zeros((128 * 1024 * 1024,), torch.float32).fill_(1.0))
     best = float("inf")
     for data in buffers:
         for _ in range(5):

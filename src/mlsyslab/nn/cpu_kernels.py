@@ -13,8 +13,8 @@
   region, when every matrix takes the streamed kernel; used by `nn.fused_decode`.
 - `softmax_draw` (csrc/softmax_draw.cpp): one token per row from softmax(logits / T) by inverse CDF;
   used by `serve.sampling` for the rows that sample without top-k / top-p / min-p.
-- `huge_page_buffer` (csrc/huge_pages.cpp): bytes on transparent huge pages, where the serving copy keeps
-  its streamed weights (`nn.packed_linear`).
+- `huge_page_zeros` (csrc/huge_pages.cpp): zeroed bytes on transparent huge pages (`huge_page_zeros`), where the
+  serving copy keeps its streamed weights (`nn.packed_linear`) and the engine its KV pool (`serve.kv_cache`).
 
 The kernels are compiled at first use with `torch.utils.cpp_extension.load` (g++ and ninja; ~15 s
 here) into the torch extensions cache and loaded in well under a second afterwards. They are built
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import os
 import platform
 import warnings
@@ -81,6 +82,14 @@ def load():
                       "PyTorch path (slower)", RuntimeWarning, stacklevel=2)
         return None
     return torch.ops.mlsyslab
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor on transparent huge pages where the kernels build (csrc/huge_pages.cpp; for buffers a
+    decode step streams or walks: the weights' tiles, the KV pool), else torch's own allocation."""
+    if load() is None:
+        return torch.zeros(shape, dtype=dtype)
+    return load().huge_page_zeros(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
 
 
 def serves(tensor: torch.Tensor) -> bool:

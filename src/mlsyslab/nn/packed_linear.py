@@ -168,7 +168,7 @@ def onto_huge_pages(linears: list[PackedLinear]) -> None:
     if not tiles:
         return
     sizes = [-(-linear.stream_tiles.nbytes // 64) * 64 for linear in tiles]
-    buffer = cpu_kernels.load().huge_page_buffer(sum(sizes))
+    buffer = cpu_kernels.huge_page_zeros((sum(sizes),), torch.uint8)
     offset = 0
     for linear, size in zip(tiles, sizes):
         old = linear.stream_tiles
