@@ -19,7 +19,8 @@ flight 360-400 / 480-500 tok/s; on an AVX2 host (2026-11-24 03:06 UTC, with the 
 134-145 (prefill-bound: 2 cores of AVX2).
 Decode-only steps run every layer in one C++ call (`nn.fused_decode`) where the kernels apply; greedy ones
 with nobody waiting run up to `EngineConfig.decode_steps` steps in that call (multi-step decoding,
-`Engine.steps_ahead`; bf16 batch 1 on the AVX2 host: 75% -> 81-83% of the decode roofline over HTTP).
+`Engine.steps_ahead`; with the weights and KV pool on huge pages, bf16 batch 1 on the AVX2 host went from
+73-78% to 77-84% of the decode roofline over HTTP, against a stricter roofline: benchmarks/README.md).
 Not done: speculative decoding, CUDA graphs / torch.compile, tensor parallelism across processes.
 Tested in tests/serve/test_engine.py (greedy equal to HF transformers at batch 1 and mixed batches).
 """
