@@ -13,8 +13,8 @@
   region, when every matrix takes the streamed kernel; used by `nn.fused_decode`.
 - `softmax_draw` (csrc/softmax_draw.cpp): one token per row from softmax(logits / T) by inverse CDF;
   used by `serve.sampling` for the rows that sample without top-k / top-p / min-p.
-- `huge_page_zeros` (csrc/huge_pages.cpp): zeroed bytes on transparent huge pages (`huge_page_zeros`), where the
-  serving copy keeps its streamed weights (`nn.packed_linear`) and the engine its KV pool (`serve.kv_cache`).
+- `huge_page_zeros` (csrc/huge_pages.cpp): zeroed bytes on transparent huge pages, as tensors through
+  `huge_page_zeros` here: the serving copy's streamed weights (`nn.packed_linear`) and the KV pool (`serve.kv_cache`).
 
 The kernels are compiled at first use with `torch.utils.cpp_extension.load` (g++ and ninja; ~15 s
 here) into the torch extensions cache and loaded in well under a second afterwards. They are built

@@ -37,9 +37,8 @@ class KVCache:
             raise InvalidValue("kv_cache_bytes", budget_bytes, f">= {self.block_bytes} (one block of {block_size} tokens)")
         shape = (config.layers, config.kv_heads, self.num_blocks, block_size, config.head_dim)
         # Zeros, not garbage: masked padding reads unwritten slots, and 0 · NaN would poison attention.
-        # Written now, not left to the OS to zero on first touch (calloc): a lazily zeroed pool took its
-        # page faults during serving (9 ms of every 32-sequence decode step went to faults on fresh K/V
-        # pages). On CPU the pool is on transparent huge pages (`nn.cpu_kernels.huge_page_zeros`): the decode
+        # Faulted in now, not on first touch: a lazily zeroed pool (calloc) took its page faults during
+        # serving (9 ms of every 32-sequence decode step went to faults on fresh K/V pages). On CPU the pool is on transparent huge pages (`nn.cpu_kernels.huge_page_zeros`): the decode
         # kernel walks each sequence's blocks, scattered over the pool, and in 4 kB pages nearly every block
         # is a TLB miss (bf16 batch 1 at ~190 tokens, alternating in one process: TPOT median 10.31 -> 9.87
         # ms, the 8-token prompt's 9.91).
