@@ -146,7 +146,35 @@ def test_steps_ahead_equal_one_step_at_a_time(dtype, context_lens, plan):
             _, next_ids = fused(next_ids, positions + step, PagedAttention(k_ref, v_ref, step_slices),
                                 torch.arange(len(ids)))
             expected.append(next_ids)
-        got = fused.ahead(ids, DecodeSteps.of(k_cache, v_cache, tables, positions.tolist(), steps))
+        rows = len(ids)
+        got = fused.ahead(ids, DecodeSteps.of(k_cache, v_cache, tables, positions.tolist(), steps), torch.zeros(rows),
+                          torch.zeros(steps, rows, dtype=torch.float64))
+    assert torch.equal(got, torch.stack(expected))
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_steps_ahead_draw_as_the_sampler_does(dtype, monkeypatch):
+    """Rows with a temperature draw their token in the run from softmax(logits / T) with the uniform given, as
+    `serve.sampling.draw` draws it from the single step's logits; greedy rows beside them take the largest."""
+    monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: False)
+    fused = FusedDecode(serving_model(dtype))
+    steps, context_lens = 5, [9, 30, 17]
+    k_cache, v_cache, slices, ids, positions = decode_case(dtype, context_lens, num_blocks=64, ahead=steps)
+    tables = [seq.block_table for seq in slices]
+    temperature = torch.tensor([0.7, 0.0, 1.5])
+    uniform = torch.rand(steps, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    expected, next_ids = [], ids
+    with torch.inference_mode():
+        for step in range(steps):
+            step_slices = [SequenceSlice(1, length + step, table) for length, table in zip(context_lens, tables)]
+            logits, argmax = fused(next_ids, positions + step, PagedAttention(k_ref, v_ref, step_slices), torch.arange(3))
+            positive = torch.where(temperature > 0, temperature, 1.0)  # (row 1's draw unused)
+            drawn = cpu_kernels.load().softmax_draw(logits, positive, uniform[step])
+            next_ids = torch.where(temperature > 0, drawn, argmax)
+            expected.append(next_ids)
+        got = fused.ahead(ids, DecodeSteps.of(k_cache, v_cache, tables, positions.tolist(), steps), temperature, uniform)
     assert torch.equal(got, torch.stack(expected))
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
@@ -159,12 +187,16 @@ def test_steps_ahead_refuse_tables_without_room_and_picked_rows(monkeypatch):
     with pytest.raises(ValueError, match=r"a block table of 2 blocks cannot hold positions 19..32 \(block size 16\)"):
         DecodeSteps.of(k_cache, v_cache, tables, positions.tolist(), 14)
     steps = DecodeSteps.of(k_cache, v_cache, tables, positions.tolist(), 2)
+    greedy, uniform = torch.zeros(2), torch.zeros(2, 2, dtype=torch.float64)
     with pytest.raises(RuntimeError, match=r"logit_rows: every row \(0..1\) in a run of 2 steps"):
         fused.streamed(ids, steps.positions, k_cache, v_cache, steps.slot_mapping, steps.tables, steps.lengths,
-                       torch.tensor([0]))
+                       torch.tensor([0]), greedy[:1], uniform[:, :1])
     with pytest.raises(RuntimeError, match=r"lengths: as many steps as positions"):
         fused.streamed(ids, steps.positions, k_cache, v_cache, steps.slot_mapping, steps.tables, steps.lengths[:1],
-                       torch.arange(2))
+                       torch.arange(2), greedy, uniform)
+    with pytest.raises(RuntimeError, match=r"uniform\[1\]\[0\] = 1: must be in \[0, 1\)"):
+        fused.streamed(ids, steps.positions, k_cache, v_cache, steps.slot_mapping, steps.tables, steps.lengths,
+                       torch.arange(2), greedy, torch.tensor([[0.5, 0.5], [1.0, 0.0]], dtype=torch.float64))
 
 
 def test_fused_decode_refuses_prefill_steps_and_bad_slots():

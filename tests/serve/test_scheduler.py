@@ -30,14 +30,16 @@ def reference(prompt: tuple[int, ...], new_tokens: int) -> list[int]:
     return greedy_reference(MODEL, list(prompt), new_tokens)
 
 
-def run(engine: Engine, arrivals: list[tuple[int, list[int], int, int | None]], stop_token_ids=()) -> tuple[dict, set]:
-    """Step the engine, adding and aborting requests on schedule; check the block invariant every step."""
+def run(engine: Engine, arrivals: list[tuple[int, list[int], int, int | None]], stop_token_ids=(),
+        temperature: float = 0.0) -> tuple[dict, set]:
+    """Step the engine, adding and aborting requests on schedule (request i seeded with i); check the block
+    invariant every step."""
     finished, aborted, step = {}, set(), 0
     while step < 1000 and (engine.has_work() or any(arrive >= step for arrive, *_ in arrivals)):
         for index, (arrive, prompt, max_tokens, abort_at) in enumerate(arrivals):
             if arrive == step:
-                engine.add_request(str(index), prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                                      stop_token_ids=stop_token_ids))
+                engine.add_request(str(index), prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                                                      seed=index, stop_token_ids=stop_token_ids))
             if abort_at == step and str(index) not in finished and arrive <= step:
                 engine.abort(str(index))
                 aborted.add(str(index))
@@ -100,10 +102,11 @@ AHEAD_MODEL = Llama(AHEAD_CONFIG).initialize(0.5, torch.Generator().manual_seed(
 
 
 @functools.cache
-def one_step_reference(prompt: tuple[int, ...], max_tokens: int, stop_token_ids: tuple[int, ...]) -> list[int]:
+def one_step_reference(prompt: tuple[int, ...], max_tokens: int, stop_token_ids: tuple[int, ...],
+                       temperature: float = 0.0, seed: int | None = None) -> list[int]:
     """The request alone, one decode step per call (the plan is patched by the caller)."""
     engine = Engine(AHEAD_MODEL, config=EngineConfig(kv_cache_bytes=10_000_000, decode_steps=1))
-    engine.add_request("alone", list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0,
+    engine.add_request("alone", list(prompt), SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
                                                              stop_token_ids=stop_token_ids))
     while engine.has_work():
         if finished := engine.step()[1]:
@@ -114,12 +117,13 @@ def one_step_reference(prompt: tuple[int, ...], max_tokens: int, stop_token_ids:
 @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=st.lists(request_strategy, min_size=1, max_size=6), block_size=st.sampled_from([2, 4, 8]),
        spare_blocks=st.integers(0, 12), budget=st.integers(1, 48), prefix_cache=st.booleans(),
-       stop_token=st.integers(0, AHEAD_CONFIG.vocab - 1), seed=st.integers(0, 2**16))
+       stop_token=st.integers(0, AHEAD_CONFIG.vocab - 1), temperature=st.sampled_from([0.0, 0.8]),
+       seed=st.integers(0, 2**16))
 def test_multi_step_decoding_loses_nothing_and_equals_one_step_at_a_time(requests, block_size, spare_blocks, budget,
-                                                                          prefix_cache, stop_token, seed):
-    """The same property, with greedy decodes running up to 5 steps a call (fp32 on the streamed step, whose
-    numbers do not depend on the batch): stop tokens met inside a run, aborts and preemptions between runs, and
-    look-ahead blocks taken only when free."""
+                                                                          prefix_cache, stop_token, temperature, seed):
+    """The same property, with decodes running up to 5 steps a call (fp32 on the streamed step, whose numbers do
+    not depend on the batch), greedy or sampled with a seed per request: stop tokens met inside a run, aborts and
+    preemptions between runs, and look-ahead blocks taken only when free."""
     import random
 
     rng = random.Random(seed)
@@ -133,8 +137,8 @@ def test_multi_step_decoding_loses_nothing_and_equals_one_step_at_a_time(request
             kv_cache_bytes=(largest + spare_blocks) * bytes_per_block, block_size=block_size,
             max_batched_tokens=budget, prefix_cache=prefix_cache, decode_steps=5))
         with mock.patch.object(engine, "decode_ahead", wraps=engine.decode_ahead) as ahead:
-            finished, aborted = run(engine, arrivals, stop_token_ids=[stop_token])
-        expected = {str(i): one_step_reference(tuple(prompt), max_tokens, (stop_token,))
+            finished, aborted = run(engine, arrivals, stop_token_ids=[stop_token], temperature=temperature)
+        expected = {str(i): one_step_reference(tuple(prompt), max_tokens, (stop_token,), temperature, i)
                     for i, (_, prompt, max_tokens, _) in enumerate(arrivals)}
     event(f"ran ahead: {ahead.call_count > 0}")
     for request_id in expected:

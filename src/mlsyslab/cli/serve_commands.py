@@ -37,7 +37,7 @@ def serve_command(
     max_waiting: Annotated[int, typer.Option(help="queue bound; beyond it requests get HTTP 503")] = 256,
     prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="reuse shared prompt prefixes")] = True,
     decode_steps: Annotated[Optional[int], typer.Option(
-        "--decode-steps", help="greedy decode steps one call may run while nobody waits (multi-step decoding; "
+        "--decode-steps", help="decode steps one call may run while nobody waits (multi-step decoding; "
         "1: off; default: the engine's, 8)")] = None,
     cache_dir: CacheDir = None,
 ):

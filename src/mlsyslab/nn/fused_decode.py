@@ -81,10 +81,12 @@ class FusedDecode:
         plan = self.plan(len(input_ids))
         config, ops = model.config, cpu_kernels.load()
         if plan.streamed:  # the embedding and rope rows are looked up in the step too
-            logits, greedy = self.streamed(input_ids, positions[None], attention.k_cache, attention.v_cache,
+            greedy = torch.zeros(len(logits_rows))
+            logits, tokens = self.streamed(input_ids, positions[None], attention.k_cache, attention.v_cache,
                                            attention.slot_mapping[None], attention.decode_tables,
-                                           attention.decode_lengths[None], logits_rows)
-            return logits, greedy[0]
+                                           attention.decode_lengths[None], logits_rows, greedy,
+                                           torch.zeros(1, len(logits_rows), dtype=torch.float64))
+            return logits, tokens[0]
         hidden = ops.decode_layers(
             model.embed_tokens(input_ids), self.cos[positions], self.sin[positions], self.norms, plan.weights,
             plan.kernels, self.out_features, attention.k_cache, attention.v_cache, attention.slot_mapping,
@@ -95,24 +97,27 @@ class FusedDecode:
         """Whether steps of `rows` decodes can run several at a time (`ahead`): the streamed step only."""
         return self.plan(rows).streamed
 
-    def ahead(self, input_ids: torch.Tensor, steps: DecodeSteps) -> torch.Tensor:
-        """Greedy multi-step decoding: `len(steps.positions)` steps of the same sequences in one C++ call, each
-        row's greedy token (first largest logit) fed back as its next input. Each step is the one `__call__` runs
+    def ahead(self, input_ids: torch.Tensor, steps: DecodeSteps, temperature: torch.Tensor, uniform: torch.Tensor
+              ) -> torch.Tensor:
+        """Multi-step decoding: `len(steps.positions)` steps of the same sequences in one C++ call, each row's token
+        fed back as its next input: its largest logit (first of equals) where `temperature` [rows] is 0, else the
+        draw of its uniform (`uniform` [steps, rows], float64) from softmax(logits / temperature), as
+        `serve.sampling.draw` makes it without top-k / top-p / min-p. Each step is the one `__call__` runs
         (bit-equal logits, tests/nn/test_fused_decode.py). -> the tokens [steps, rows]."""
         if not self.runs_ahead(len(input_ids)):
             raise ValueError(f"steps of {len(input_ids)} rows do not take the streamed step; run them one at a time")
         return self.streamed(input_ids, steps.positions, steps.k_cache, steps.v_cache, steps.slot_mapping, steps.tables,
-                             steps.lengths, torch.arange(len(input_ids)))[1]
+                             steps.lengths, torch.arange(len(input_ids)), temperature, uniform)[1]
 
-    def streamed(self, input_ids, positions, k_cache, v_cache, slots, tables, lengths, logits_rows
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def streamed(self, input_ids, positions, k_cache, v_cache, slots, tables, lengths, logits_rows, temperature,
+                 uniform) -> tuple[torch.Tensor, torch.Tensor]:
         """`streamed_decode` (csrc/streamed_decode.cpp) on this model: positions, slots, lengths [steps, rows]."""
         model, config = self.model, self.model.config
         plan = self.plan(len(input_ids))
         return cpu_kernels.load().streamed_decode(
             model.embed_tokens.weight, input_ids, positions, self.cos, self.sin, self.norms, plan.weights,
             model.norm.weight, plan.head_weight, config.vocab, k_cache, v_cache, slots, tables, lengths, logits_rows,
-            config.heads, config.ffn_hidden, config.rms_norm_eps)
+            temperature, uniform, config.heads, config.ffn_hidden, config.rms_norm_eps)
 
     def plan(self, rows: int) -> StepPlan:
         """The kernels and weights of a step of `rows` tokens (computed once per row count)."""

@@ -17,8 +17,8 @@ on an AMX host (2026-11-23 18:26 UTC) batch 1 36-39 tok/s fp32 and 48-51 bf16, b
 flight 360-400 / 480-500 tok/s; on an AVX2 host (2026-11-24 03:06 UTC, with the streamed matmul of
 `nn.packed_linear`) batch 1 35-40 tok/s fp32 and 45-61 bf16, bf16 at 16 / 32 in flight 113-125 /
 134-145 (prefill-bound: 2 cores of AVX2).
-Decode-only steps run every layer in one C++ call (`nn.fused_decode`) where the kernels apply; greedy ones
-with nobody waiting run up to `EngineConfig.decode_steps` steps in that call (multi-step decoding,
+Decode-only steps run every layer in one C++ call (`nn.fused_decode`) where the kernels apply; those whose
+tokens the kernel can pick (greedy, or temperature sampling without top-k / top-p / min-p) with nobody waiting run up to `EngineConfig.decode_steps` steps in that call (multi-step decoding,
 `Engine.steps_ahead`; with the weights and KV pool on huge pages, bf16 batch 1 on the AVX2 host went from
 73-78% to 77-84% of the decode roofline over HTTP, against a stricter roofline: benchmarks/README.md).
 Not done: speculative decoding, CUDA graphs / torch.compile, tensor parallelism across processes.
@@ -45,7 +45,7 @@ from mlsyslab.nn.tokenizer import Tokenizer
 from mlsyslab.serve.kv_cache import KVCache
 from mlsyslab.serve.output import Delta, OutputTracker, RequestOutput
 from mlsyslab.serve.request import Request
-from mlsyslab.serve.sampling import Sampled, SamplerInput, SamplingParams, plain_greedy, sample
+from mlsyslab.serve.sampling import Sampled, SamplerInput, SamplingParams, picked_in_step, sample
 from mlsyslab.serve.scheduler import Scheduled, Scheduler
 
 
@@ -64,7 +64,7 @@ class EngineConfig:
     fused_decode: bool = True  # decode-only steps run every layer in one C++ call where it applies (nn.fused_decode)
     fp32_steps_from: int | None = None  # 16-bit CPU weights: steps of this many tokens or more run on an fp32
     # copy of them (None: 16 unless the CPU has AMX, 0: never); see `wide_step_model`
-    decode_steps: int = 8  # greedy decodes may run up to this many steps in one call while nobody waits
+    decode_steps: int = 8  # decodes may run up to this many steps in one call while nobody waits
     # (multi-step decoding; 1: off); see `steps_ahead`
     decode_ahead_s: float = 0.1  # ... and only as many as take about this long (what an arrival may wait)
 
@@ -203,8 +203,9 @@ class Engine:
         each row's greedy token fed back in C++ (`FusedDecode.ahead`), so the Python around a step (~0.6 ms of a
         12 ms bf16 step at batch 1 here: building its inputs, bookkeeping) runs once for them all.
 
-        More than one only when it changes no output and keeps nobody waiting: every request decodes greedily
-        without penalties or logprobs (then the step's argmax is the token), nothing is waiting to be admitted,
+        More than one only when it changes no output and keeps nobody waiting: every request takes its largest
+        logit or a draw without top-k / top-p / min-p, without penalties or logprobs (the kernel picks the token as
+        `serve.sampling` would, with the same uniforms of the request's generator), nothing is waiting to be admitted,
         the step takes the streamed kernel on the serving weights, and the pool has free blocks for all of them.
         At most `decode_steps`, about `decode_ahead_s` of measured steps (an arrival waits for the run to end),
         and no request's max_tokens or the context length: a stop token or string met earlier ends the request
@@ -215,7 +216,7 @@ class Engine:
         if (most <= 1 or self.fused_decode is None or measured is None or self.scheduler.waiting or wide
                 or not self.fused_decode.runs_ahead(len(batch))):
             return 1
-        if any(item.num_tokens != 1 or not item.samples or not plain_greedy(item.request.params) for item in batch):
+        if any(item.num_tokens != 1 or not item.samples or not picked_in_step(item.request.params) for item in batch):
             return 1
         max_seq = self.model.config.max_seq
         most = min([most, int(self.config.decode_ahead_s / max(measured, 1e-9))]
@@ -226,13 +227,18 @@ class Engine:
         return most
 
     def decode_ahead(self, batch: list[Scheduled], steps: int) -> list[list[Sampled]]:
-        """`steps` greedy decode steps of the batch in one call (see `steps_ahead`); each request's tokens."""
+        """`steps` decode steps of the batch in one call (see `steps_ahead`); each request's tokens. A sampling
+        request gives the run the next `steps` uniforms of its generator, those its single steps would draw (a
+        request that stops inside the run has used some it did not need: it is done with them)."""
         requests = [item.request for item in batch]
         inputs = DecodeSteps.of(self.kv.k, self.kv.v, [r.blocks for r in requests], [r.num_computed for r in requests],
                                 steps)
         ids = torch.tensor([r.all_ids[r.num_computed] for r in requests])
+        temperature = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32)
+        uniform = torch.stack([torch.rand(steps, generator=r.generator, dtype=torch.float64) if r.params.temperature > 0
+                               else torch.zeros(steps, dtype=torch.float64) for r in requests], dim=1)
         start_s = time.perf_counter()
-        tokens = self.fused_decode.ahead(ids, inputs)
+        tokens = self.fused_decode.ahead(ids, inputs, temperature, uniform)
         self.decode_step_s[len(batch)] = (time.perf_counter() - start_s) / steps
         self.count(batch, steps)
         self.scheduler.after_step(batch)

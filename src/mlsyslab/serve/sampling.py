@@ -146,9 +146,10 @@ def pick(logits: torch.Tensor, rows: list[SamplerInput], greedy: list[int], samp
     return tokens
 
 
-def plain_greedy(params: SamplingParams) -> bool:
-    """Whether a row's token is its largest logit and nothing more is reported (no penalties, no logprobs)."""
-    return params.greedy and not penalised(params) and params.logprobs is None
+def picked_in_step(params: SamplingParams) -> bool:
+    """Whether the decode step's kernel can pick a row's token itself (`nn.fused_decode.FusedDecode.ahead`): its
+    largest logit, or `draw`'s draw without top-k / top-p / min-p; no penalties, nothing else reported (logprobs)."""
+    return not penalised(params) and params.logprobs is None and (params.greedy or not filters(params))
 
 
 def penalised(params: SamplingParams) -> bool:

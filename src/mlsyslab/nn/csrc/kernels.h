@@ -65,6 +65,9 @@ template <typename T> void streamed_groups(const StreamedProduct<T>& product, in
 at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t out,
                            const std::optional<at::Tensor>& residual);
 
+// softmax_draw.cpp: the token the uniform picks from softmax(logits / temperature) of one row, by inverse CDF.
+template <typename T> int64_t draw_row(const T* logits, int64_t vocab, float temperature, double uniform);
+
 // decode_layers.cpp: slots [tokens], each new token's slot in a cache of `cache_slots` slots per head.
 void check_slots(const at::Tensor& slots, int64_t tokens, int64_t cache_slots);
 

@@ -13,6 +13,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "kernels.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -21,9 +22,7 @@
 #include <limits>
 #include <vector>
 
-namespace {
-
-using namespace mlsyslab;
+namespace mlsyslab {
 
 // Below e^-80 of the most likely token's weight a token's is 0 (vec.h's exp clamps there instead: a -inf
 // logit, a token ruled out, must never be drawn).
@@ -62,9 +61,9 @@ int64_t draw_row(const T* logits, int64_t vocab, float temperature, double unifo
   return last_possible;
 }
 
-}  // namespace
+template int64_t draw_row(const float*, int64_t, float, double);
+template int64_t draw_row(const c10::BFloat16*, int64_t, float, double);
 
-namespace mlsyslab {
 
 at::Tensor softmax_draw(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& uniform) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.is_contiguous() &&

@@ -24,8 +24,9 @@
 // and after the last layer logits = rms_norm(h[rows])·Wheadᵀ, each thread noting the largest logit of its
 // columns (the step's greedy tokens, merged after a barrier: no second pass over the logits, no
 // ATen op after the step). The embedding rows and the rope rows of the step's positions are copied in
-// here too. A call can run several steps (multi-step decoding): each row's greedy token is then the next
-// step's input, its embedding row copied into h between the steps, without leaving the region. Every number is computed by the same
+// here too. A call can run several steps (multi-step decoding): each row's token, its largest logit or a draw
+// from softmax(logits / T) with a uniform the caller drew, is then the next step's input, its embedding row
+// copied into h between the steps, without leaving the region. Every number is computed by the same
 // compiled functions, on the same row layouts, as the per-op path (the range functions of kernels.h),
 // so the logits and the cache are bit-equal to decode_layers' and to the Python layers'
 // (tests/nn/test_fused_decode.py). A thread keeps the same share of each matrix every step.
@@ -92,7 +93,9 @@ struct Step {
   // per thread and logits row: the largest logit of the thread's columns and its first column
   float* best_logit;   // [threads, logit_rows]
   int64_t* best_column;  // [threads, logit_rows], -1 where the thread had no columns
-  int64_t* greedy;       // [steps, logit_rows]: each step's greedy tokens
+  const float* temperature;  // [logit_rows]: 0 takes the largest logit, else a draw from softmax(logits / T)
+  const double* uniform;     // [steps, logit_rows]: each draw's uniform
+  int64_t* picked;           // [steps, logit_rows]: each step's tokens
 
   // The inputs of step `step` of a run: its positions, slots and context lengths.
   Step at(int64_t step) const {
@@ -258,9 +261,10 @@ void merge_greedy(const float* best_logit, const int64_t* best_column, int64_t t
   }
 }
 
-// `s.steps` decode steps, each row's greedy token fed back as its next input (then logit_rows are all the rows, in
-// order). Between steps every thread merges the greedy tokens itself (the same numbers in every thread) and copies
-// its share of the next step's embedding rows into h: two barriers a step.
+// `s.steps` decode steps, each row's token fed back as its next input (then logit_rows are all the rows, in order).
+// After a step's logits each thread picks the tokens of its share of the rows, the largest logit (temperature 0:
+// from every thread's notes) or the draw of the row's uniform from softmax(logits / T) (softmax_draw.cpp's, the
+// Python path's numbers), and copies their embedding rows into h for the next step: two barriers a step.
 template <typename T>
 void run(const Step<T>& s, int64_t max_threads) {
 #pragma omp parallel num_threads(max_threads)
@@ -268,6 +272,7 @@ void run(const Step<T>& s, int64_t max_threads) {
     const int threads = omp_get_num_threads(), t = omp_get_thread_num();
     Scratch<T> own(s);
     std::vector<int64_t> greedy(s.logit_rows);
+    const Share rows(s.logit_rows, t, threads);
     for (int64_t step = 0; step < s.steps; ++step) {
       const Step<T> now = s.at(step);
       for (int64_t l = 0; l < s.layers; ++l) layer(now, l, own, t, threads);
@@ -276,11 +281,14 @@ void run(const Step<T>& s, int64_t max_threads) {
       note_largest_logits(now, t, threads);
 #pragma omp barrier
       merge_greedy(s.best_logit, s.best_column, threads, s.logit_rows, greedy.data());
-      if (t == 0) std::copy(greedy.begin(), greedy.end(), s.greedy + step * s.logit_rows);
+      for (int64_t r = rows.begin; r < rows.end; ++r) {
+        const float temperature = s.temperature[r];
+        const int64_t token = temperature > 0.f
+            ? draw_row(s.logits + r * s.vocab, s.vocab, temperature, s.uniform[step * s.logit_rows + r]) : greedy[r];
+        s.picked[step * s.logit_rows + r] = token;
+        if (step + 1 < s.steps) std::memcpy(s.h + r * s.hidden, s.embedding + token * s.hidden, s.hidden * sizeof(T));
+      }
       if (step + 1 == s.steps) break;
-      const Share rows(s.tokens, t, threads);
-      for (int64_t r = rows.begin; r < rows.end; ++r)
-        std::memcpy(s.h + r * s.hidden, s.embedding + greedy[r] * s.hidden, s.hidden * sizeof(T));
 #pragma omp barrier
     }
   }
@@ -291,8 +299,9 @@ void run(const Step<T>& s, int64_t max_threads) {
 namespace mlsyslab {
 
 // input_ids [tokens], positions, slots, lengths [steps, tokens] -> (logits [rows, vocab] of the rows `logit_rows`
-// names, at the last step; each step's greedy tokens [steps, rows]). With more than one step every row is a
-// logits row, in order, and each row's greedy token is its next step's input (multi-step decoding, as vLLM's
+// names, at the last step; each step's tokens [steps, rows]: the largest logit where temperature is 0, else the
+// draw of the row's uniform from softmax(logits / temperature)). With more than one step every row is a
+// logits row, in order, and each row's token is its next step's input (multi-step decoding, as vLLM's
 // `--num-scheduler-steps`: the caller reserved the slots of every step).
 // embedding [vocab, hidden]; cos, sin: the rope rows of every position [positions, head_dim]; norms: 2 per
 // layer; tiles: 4 per layer (qkv, o, gate|up, down), from stream_pack; caches
@@ -304,7 +313,8 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
                            at::TensorList norms, at::TensorList tiles, const at::Tensor& final_norm,
                            const at::Tensor& head_tiles, int64_t vocab, at::Tensor k_cache, at::Tensor v_cache,
                            const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lengths,
-                           const at::Tensor& logit_rows, int64_t heads, int64_t ffn, double eps) {
+                           const at::Tensor& logit_rows, const at::Tensor& temperature, const at::Tensor& uniform,
+                           int64_t heads, int64_t ffn, double eps) {
   check_float_or_bf16(embedding, "embedding");
   const auto dtype = embedding.scalar_type();
   TORCH_CHECK(embedding.dim() == 2 && embedding.is_contiguous() && embedding.size(0) >= vocab,
@@ -368,6 +378,21 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
   }
   TORCH_CHECK(steps == 1 || logit_rows.size(0) == tokens, "logit_rows: every row (0..", tokens - 1, ") in a run of ",
               steps, " steps");
+  TORCH_CHECK(temperature.dim() == 1 && temperature.size(0) == logit_rows.size(0) &&
+              temperature.scalar_type() == at::kFloat && temperature.is_contiguous(),
+              "temperature: contiguous fp32 [rows], one per logit row");
+  TORCH_CHECK(uniform.dim() == 2 && uniform.size(0) == steps && uniform.size(1) == logit_rows.size(0) &&
+              uniform.scalar_type() == at::kDouble && uniform.is_contiguous(),
+              "uniform: contiguous float64 [steps, rows], one per logit row and step");
+  for (int64_t r = 0; r < temperature.size(0); ++r) {
+    const float value = temperature.data_ptr<float>()[r];
+    TORCH_CHECK(value >= 0.f && std::isfinite(value), "temperature[", r, "] = ", value, ": must be >= 0 (0: greedy)");
+  }
+  for (int64_t i = 0; i < uniform.numel(); ++i) {
+    const double value = uniform.data_ptr<double>()[i];
+    TORCH_CHECK(value >= 0.0 && value < 1.0, "uniform[", i / uniform.size(1), "][", i % uniform.size(1), "] = ", value,
+                ": must be in [0, 1)");
+  }
 
   const auto options = embedding.options();
   at::Tensor h = embedding.index_select(0, input_ids), qkv = at::empty({tokens, shapes[0][0]}, options);
@@ -377,7 +402,7 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
   const int64_t max_threads = at::get_num_threads(), rows = logit_rows.size(0);
   std::vector<float> best_logit(max_threads * rows);
   std::vector<int64_t> best_column(max_threads * rows, -1);
-  at::Tensor greedy = at::empty({steps, rows}, logit_rows.options());
+  at::Tensor picked = at::empty({steps, rows}, logit_rows.options());
   const auto fill = [&](auto tag) {
     using T = decltype(tag);
     Step<T> s{steps, layers, tokens, hidden, heads, kv_heads, head_dim, ffn, vocab, k_cache.size(2) * k_cache.size(3),
@@ -391,7 +416,8 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
                              tokens, heads, kv_heads, k_cache.size(2), k_cache.size(3), tables.size(1), head_dim,
                              float(1.0 / std::sqrt(double(head_dim))), tokens * heads * head_dim},
               h.data_ptr<T>(), qkv.data_ptr<T>(), act.data_ptr<T>(), logits.data_ptr<T>(), query.data_ptr<float>(),
-              best_logit.data(), best_column.data(), greedy.data_ptr<int64_t>()};
+              best_logit.data(), best_column.data(), temperature.data_ptr<float>(), uniform.data_ptr<double>(),
+              picked.data_ptr<int64_t>()};
     for (const at::Tensor& norm : norms) s.norms.push_back(norm.data_ptr<T>());
     for (int64_t i = 0; i <= 4 * layers; ++i) {
       const at::Tensor& tile = i < 4 * layers ? tiles[i] : head_tiles;
@@ -402,7 +428,7 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
   };
   if (dtype == at::kFloat) fill(float{});
   else fill(c10::BFloat16{});
-  return {logits, greedy};
+  return {logits, picked};
 }
 
 }  // namespace mlsyslab
@@ -410,6 +436,7 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
 TORCH_LIBRARY_FRAGMENT(mlsyslab, m) {
   m.def("streamed_decode(Tensor embedding, Tensor input_ids, Tensor positions, Tensor cos, Tensor sin, Tensor[] norms, "
         "Tensor[] tiles, Tensor final_norm, Tensor head_tiles, int vocab, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor slots, Tensor tables, Tensor lengths, Tensor logit_rows, int heads, int ffn, float eps) -> "
+        "Tensor slots, Tensor tables, Tensor lengths, Tensor logit_rows, Tensor temperature, Tensor uniform, int heads, "
+        "int ffn, float eps) -> "
         "(Tensor, Tensor)", &mlsyslab::streamed_decode);
 }
