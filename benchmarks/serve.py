@@ -50,7 +50,6 @@ from record import ROOT, OtherProcesses, machine, save  # benchmarks/record.py
 
 from mlsyslab.comm.launch import free_port
 from mlsyslab.nn import cpu_kernels
-from mlsyslab.nn.cpu_kernels import cpu_has_amx
 from mlsyslab.nn.pretrained import default_gguf_path, load_pretrained, resolve_folder
 from mlsyslab.nn.tokenizer import Tokenizer
 from mlsyslab.serve.engine import LLM, EngineConfig
@@ -62,7 +61,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "serve.json"
 # server on the first multi-token prompt (a general-protection fault in libggml-cpu, llama-cpp-python
 # 0.3.36, 2026-11-23): there for AVX-512 without AMX
 LLAMA_CPP_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
-                        "-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON") if cpu_has_amx() else "-DGGML_NATIVE=ON"
+                        "-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON") if cpu_kernels.cpu_has_amx() else "-DGGML_NATIVE=ON"
 PEERS = ROOT / "benchmarks" / ".peers"
 
 

@@ -140,9 +140,9 @@ class DecodeSteps:
             if len(table) < count:
                 raise ValueError(f"a block table of {len(table)} blocks cannot hold positions {position}.."
                                  f"{position + steps - 1} (block size {block_size})")
-        width = max(needed)
-        tables = torch.tensor([table[:count] + [table[0]] * (width - count)
-                               for table, count in zip(block_tables, needed)], dtype=torch.long)
+        last_lengths = [position + steps for position in first]
+        tables = decode_batch([table[:count] for table, count in zip(block_tables, needed)], last_lengths, block_size,
+                              k_cache.device, masked=False)[0]
         positions = torch.tensor(first, dtype=torch.long)[None, :] + torch.arange(steps)[:, None]
         blocks = tables.gather(1, (positions // block_size).t()).t()
         slots = (blocks * block_size + positions % block_size).contiguous()

@@ -18,8 +18,8 @@ flight 360-400 / 480-500 tok/s; on an AVX2 host (2026-11-24 03:06 UTC, with the 
 `nn.packed_linear`) batch 1 35-40 tok/s fp32 and 45-61 bf16, bf16 at 16 / 32 in flight 113-125 /
 134-145 (prefill-bound: 2 cores of AVX2).
 Decode-only steps run every layer in one C++ call (`nn.fused_decode`) where the kernels apply; those whose
-tokens the kernel can pick (greedy, or temperature sampling without top-k / top-p / min-p) with nobody waiting run up to `EngineConfig.decode_steps` steps in that call (multi-step decoding,
-`Engine.steps_ahead`; with the weights and KV pool on huge pages, bf16 batch 1 on the AVX2 host went from
+tokens the kernel can pick (greedy, or temperature sampling without top-k / top-p / min-p) with nobody waiting
+run up to `EngineConfig.decode_steps` steps in that call (multi-step decoding, `Engine.steps_ahead`; with the weights and KV pool on huge pages, bf16 batch 1 on the AVX2 host went from
 73-78% to 77-84% of the decode roofline over HTTP, against a stricter roofline: benchmarks/README.md).
 Not done: speculative decoding, CUDA graphs / torch.compile, tensor parallelism across processes.
 Tested in tests/serve/test_engine.py (greedy equal to HF transformers at batch 1 and mixed batches).
@@ -200,8 +200,9 @@ class Engine:
 
     def steps_ahead(self, batch: list[Scheduled]) -> int:
         """How many decode steps the batch runs in one call: multi-step decoding (vLLM's `--num-scheduler-steps`),
-        each row's greedy token fed back in C++ (`FusedDecode.ahead`), so the Python around a step (~0.6 ms of a
-        12 ms bf16 step at batch 1 here: building its inputs, bookkeeping) runs once for them all.
+        each row's token fed back in C++ (`FusedDecode.ahead`), so the Python around a step (building its inputs,
+        bookkeeping; ~0.6 ms of a 12 ms bf16 step at batch 1 here in 4 kB pages, less on huge pages) runs once for
+        them all, and the server gets one message per request a run.
 
         More than one only when it changes no output and keeps nobody waiting: every request takes its largest
         logit or a draw without top-k / top-p / min-p, without penalties or logprobs (the kernel picks the token as

@@ -64,7 +64,6 @@ int64_t draw_row(const T* logits, int64_t vocab, float temperature, double unifo
 template int64_t draw_row(const float*, int64_t, float, double);
 template int64_t draw_row(const c10::BFloat16*, int64_t, float, double);
 
-
 at::Tensor softmax_draw(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& uniform) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.is_contiguous() &&
               (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),

@@ -74,9 +74,9 @@ struct Step {
   const T* cos;  // [positions, head_dim]: a token's rope row is its position's
   const T* sin;
   const int64_t* positions;  // [tokens] of the step being run ([steps, tokens] in `run`'s template)
-  std::vector<const T*> norms;  // 2 per layer
-  std::vector<const T*> tiles;  // 4 per layer (q|k|v, o, gate|up, down), then the lm_head's
-  std::vector<int64_t> chunks;  // of each matrix's tiles
+  const T* const* norms;  // 2 per layer
+  const T* const* tiles;  // 4 per layer (q|k|v, o, gate|up, down), then the lm_head's
+  const int64_t* chunks;  // of each matrix's tiles
   const T* final_norm;
   T* k_cache;  // [layers, kv_heads, slots_per_head, head_dim]
   T* v_cache;
@@ -97,7 +97,7 @@ struct Step {
   const double* uniform;     // [steps, logit_rows]: each draw's uniform
   int64_t* picked;           // [steps, logit_rows]: each step's tokens
 
-  // The inputs of step `step` of a run: its positions, slots and context lengths.
+  // The inputs of step `step` of a run: its positions, slots and context lengths (a copy of pointers and sizes).
   Step at(int64_t step) const {
     Step now = *this;
     now.positions += step * tokens;
@@ -405,10 +405,17 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
   at::Tensor picked = at::empty({steps, rows}, logit_rows.options());
   const auto fill = [&](auto tag) {
     using T = decltype(tag);
-    Step<T> s{steps, layers, tokens, hidden, heads, kv_heads, head_dim, ffn, vocab, k_cache.size(2) * k_cache.size(3),
+    std::vector<const T*> norm_weights, tile_weights;
+    std::vector<int64_t> chunks;
+    for (const at::Tensor& norm : norms) norm_weights.push_back(norm.data_ptr<T>());
+    for (int64_t i = 0; i <= 4 * layers; ++i) {
+      const at::Tensor& tile = i < 4 * layers ? tiles[i] : head_tiles;
+      tile_weights.push_back(tile.data_ptr<T>());
+      chunks.push_back(tile.size(1));
+    }
+    const Step<T> s{steps, layers, tokens, hidden, heads, kv_heads, head_dim, ffn, vocab, k_cache.size(2) * k_cache.size(3),
               float(eps), embedding.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), positions.data_ptr<int64_t>(),
-              {}, {}, {},
-              final_norm.data_ptr<T>(),
+              norm_weights.data(), tile_weights.data(), chunks.data(), final_norm.data_ptr<T>(),
               k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), slots.data_ptr<int64_t>(),
               logit_rows.data_ptr<int64_t>(), logit_rows.size(0),
               PagedDecode<T>{query.data_ptr<float>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
@@ -418,12 +425,6 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
               h.data_ptr<T>(), qkv.data_ptr<T>(), act.data_ptr<T>(), logits.data_ptr<T>(), query.data_ptr<float>(),
               best_logit.data(), best_column.data(), temperature.data_ptr<float>(), uniform.data_ptr<double>(),
               picked.data_ptr<int64_t>()};
-    for (const at::Tensor& norm : norms) s.norms.push_back(norm.data_ptr<T>());
-    for (int64_t i = 0; i <= 4 * layers; ++i) {
-      const at::Tensor& tile = i < 4 * layers ? tiles[i] : head_tiles;
-      s.tiles.push_back(tile.data_ptr<T>());
-      s.chunks.push_back(tile.size(1));
-    }
     run(s, max_threads);
   };
   if (dtype == at::kFloat) fill(float{});
