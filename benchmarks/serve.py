@@ -24,12 +24,13 @@ and HF transformers `generate`, batch 1 and 16, fp32 and bf16.
 Decode roofline at batch 1: weight bytes / this machine's read bandwidth (a sum over 512 MB, best
 of 5, in 4 kB pages and on transparent huge pages, the faster; since 2026-11-24 22:55 UTC, before in
 4 kB pages only) — one pass over the weights per token. The bandwidth is measured at the start and again just
-before each of our batch-1 loads (the server idle; in process too), and the higher of the two taken:
-this machine's bandwidth drifts between 23 and 37 GB/s over minutes, and a low reading flatters the
-fraction (102% at 08:50 UTC on 2026-11-24, from a start-up reading of 23.4 GB/s). A missing peer venv
-is skipped with the command that creates it. Every row records the CPU share other processes took: while
-it ran (in process), or in the second before its load started (HTTP rows, when the server under test sat
-idle).
+before and just after each of our batch-1 loads (the server idle; in process too; the reading after since
+2026-11-25 00:26 UTC), and the highest reading taken: this machine's bandwidth drifts between 23 and 37 GB/s
+over minutes, and a low reading flatters the fraction (102% at 08:50 UTC on 2026-11-24, from a start-up
+reading of 23.4 GB/s; 101% in a run at 00:23 UTC on 2026-11-25, from readings taken only before the
+load). A missing peer venv is skipped with the command that creates it. Every row records the CPU share
+other processes took: while it ran (in process), or in the second before its load started (HTTP rows, when
+the server under test sat idle).
 """
 
 from __future__ import annotations
@@ -144,12 +145,14 @@ def load_test(server: Server, args, bandwidth: float, twins: dict) -> list[dict]
         for load in server.loads or args.loads:
             if server.loads and load not in args.loads:
                 continue
-            if dtype is not None and load == 1:  # again, the server idle: the higher of the two is the denominator
+            if dtype is not None and load == 1:  # again, the server idle: the highest reading is the denominator
                 bandwidth = max(bandwidth, read_bandwidth())
             report = run_benchmark(url, "default", Workload(requests=max(4, 2 * load), concurrency=load,
                                                             prompt_tokens=args.prompt_tokens,
                                                             output_tokens=args.output_tokens, seed=load),
                                     as_text=as_text).to_dict()
+            if dtype is not None and load == 1:  # and after: the host may have sped up during the load
+                bandwidth = max(bandwidth, read_bandwidth())
             row = {"system": server.label, "where": "HTTP", "concurrency": load, "startup_s": startup_s,
                    **{k: report[k] for k in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
                                              "tpot_p99_s", "completed", "failed", "errors")},
@@ -216,8 +219,8 @@ def twin_of(dtype: str, args) -> dict:
 def ours_in_process(dtype: str, batch: int, args, roofline: tuple[float, float] | None = None) -> dict:
     """Our engine in this process on HF's terms: `batch` prompts at once, greedy, EOS off, all cores. Given
     `roofline` (weight bytes, a read bandwidth), also the decode's fraction of it, the bandwidth measured
-    again just before (the higher reading kept), as for the batch-1 HTTP loads: the engine without a
-    client and an API server on its cores."""
+    again just before and just after (the highest reading kept), as for the batch-1 HTTP loads: the engine
+    without a client and an API server on its cores."""
     torch.set_num_threads(os.cpu_count() or 1)
     model, tokenizer, _ = load_pretrained("default", dtype)
     prompts = [ids for ids, _ in Workload(requests=batch, prompt_tokens=args.prompt_tokens, seed=batch).prompts()]
@@ -229,6 +232,8 @@ def ours_in_process(dtype: str, batch: int, args, roofline: tuple[float, float] 
     outputs = llm.generate(prompts, SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True))
     elapsed = time.perf_counter() - start
     tpot = max(o.latency_s - o.ttft_s for o in outputs) / (args.output_tokens - 1)
+    if roofline:
+        bandwidth = max(bandwidth, read_bandwidth())
     row = {"system": f"ours {dtype}", "where": "in process", "concurrency": batch,
            "output_tokens_per_s": batch * args.output_tokens / elapsed, "tpot_p50_s": tpot,
            "other_processes_cpu_share": others.share()}
