@@ -25,7 +25,7 @@ Decode roofline at batch 1: weight bytes / this machine's read bandwidth (a sum 
 of 5, in 4 kB pages and on transparent huge pages, the faster; since 2026-11-24 22:55 UTC, before in
 4 kB pages only) — one pass over the weights per token. The bandwidth is measured at the start and again just
 before and just after each of our batch-1 loads (the server idle; in process too; the reading after since
-2026-11-25 00:26 UTC), and the highest reading taken: this machine's bandwidth drifts between 23 and 37 GB/s
+2026-11-25 00:26 UTC), and the highest reading taken: this machine's bandwidth drifts between 23 and 43 GB/s
 over minutes, and a low reading flatters the fraction (102% at 08:50 UTC on 2026-11-24, from a start-up
 reading of 23.4 GB/s; 101% in a run at 00:23 UTC on 2026-11-25, from readings taken only before the
 load). A missing peer venv is skipped with the command that creates it. Every row records the CPU share
