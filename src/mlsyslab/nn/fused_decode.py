@@ -81,10 +81,10 @@ class FusedDecode:
         plan = self.plan(len(input_ids))
         config, ops = model.config, cpu_kernels.load()
         if plan.streamed:  # the embedding and rope rows are looked up in the step too
-            greedy = torch.zeros(len(logits_rows))
+            temperature = torch.zeros(len(logits_rows))  # 0: each row's token is its largest logit
             logits, tokens = self.streamed(input_ids, positions[None], attention.k_cache, attention.v_cache,
                                            attention.slot_mapping[None], attention.decode_tables,
-                                           attention.decode_lengths[None], logits_rows, greedy,
+                                           attention.decode_lengths[None], logits_rows, temperature,
                                            torch.zeros(1, len(logits_rows), dtype=torch.float64))
             return logits, tokens[0]
         hidden = ops.decode_layers(

@@ -19,8 +19,9 @@ flight 360-400 / 480-500 tok/s; on an AVX2 host (2026-11-24 03:06 UTC, with the 
 134-145 (prefill-bound: 2 cores of AVX2).
 Decode-only steps run every layer in one C++ call (`nn.fused_decode`) where the kernels apply; those whose
 tokens the kernel can pick (greedy, or temperature sampling without top-k / top-p / min-p) with nobody waiting
-run up to `EngineConfig.decode_steps` steps in that call (multi-step decoding, `Engine.steps_ahead`; with the weights and KV pool on huge pages, bf16 batch 1 on the AVX2 host went from
-73-78% to 77-84% of the decode roofline over HTTP, against a stricter roofline: benchmarks/README.md).
+run up to `EngineConfig.decode_steps` steps in that call (multi-step decoding, `Engine.steps_ahead`; with the
+weights and KV pool on huge pages, bf16 batch 1 on the AVX2 host went from 73-78% to 77-84% of the decode
+roofline over HTTP, against a stricter roofline: benchmarks/README.md).
 Not done: speculative decoding, CUDA graphs / torch.compile, tensor parallelism across processes.
 Tested in tests/serve/test_engine.py (greedy equal to HF transformers at batch 1 and mixed batches).
 """
@@ -124,6 +125,10 @@ class Engine:
             return None, 0
         return self.serving_copy(copy.deepcopy(model).float(), wide_from)[0], wide_from
 
+    def model_for(self, tokens: int) -> Llama:
+        """The model a step of `tokens` tokens runs: the fp32 copy from `wide_from` tokens on, if there is one."""
+        return self.wide_model if self.wide_model is not None and tokens >= self.wide_from else self.model
+
     def refresh_weights(self) -> None:
         """Re-read the source model's weights after training changed them: the prepacked linears are
         snapshots (embeddings and norms are shared with the source model, so always current)."""
@@ -185,7 +190,7 @@ class Engine:
                 rows.append(len(ids) - 1)
         device = self.kv.k.device
         attention = PagedAttention(self.kv.k, self.kv.v, slices)
-        model = self.wide_model if self.wide_model is not None and len(ids) >= self.wide_from else self.model
+        model = self.model_for(len(ids))
         fused = model is self.model and self.fused_decode is not None and not attention.prefills and attention.in_place
         inputs = (torch.tensor(ids, device=device), torch.tensor(positions, device=device), attention,
                   torch.tensor(rows, dtype=torch.long, device=device))
@@ -213,9 +218,8 @@ class Engine:
         there, and the K/V computed past it are dropped with its blocks."""
         most = self.config.decode_steps
         measured = self.decode_step_s.get(len(batch))
-        wide = self.wide_model is not None and len(batch) >= self.wide_from
-        if (most <= 1 or self.fused_decode is None or measured is None or self.scheduler.waiting or wide
-                or not self.fused_decode.runs_ahead(len(batch))):
+        if (most <= 1 or self.fused_decode is None or measured is None or self.scheduler.waiting
+                or self.model_for(len(batch)) is not self.model or not self.fused_decode.runs_ahead(len(batch))):
             return 1
         if any(item.num_tokens != 1 or not item.samples or not picked_in_step(item.request.params) for item in batch):
             return 1

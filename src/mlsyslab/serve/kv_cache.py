@@ -38,10 +38,7 @@ class KVCache:
         shape = (config.layers, config.kv_heads, self.num_blocks, block_size, config.head_dim)
         # Zeros, not garbage: masked padding reads unwritten slots, and 0 · NaN would poison attention.
         # Faulted in now, not on first touch: a lazily zeroed pool (calloc) took its page faults during
-        # serving (9 ms of every 32-sequence decode step went to faults on fresh K/V pages). On CPU the pool is on transparent huge pages (`nn.cpu_kernels.huge_page_zeros`): the decode
-        # kernel walks each sequence's blocks, scattered over the pool, and in 4 kB pages nearly every block
-        # is a TLB miss (bf16 batch 1 at ~190 tokens, alternating in one process: TPOT median 10.31 -> 9.87
-        # ms, the 8-token prompt's 9.91).
+        # serving (9 ms of every 32-sequence decode step went to faults on fresh K/V pages).
         self.k, self.v = (pool(shape, dtype, torch.device(device)) for _ in range(2))
         self.refcount = [0] * self.num_blocks
         self.free_blocks: deque[int] = deque(range(self.num_blocks))
@@ -98,6 +95,10 @@ class KVCache:
 
 
 def pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed K or V pool. On CPU on transparent huge pages (`nn.cpu_kernels.huge_page_zeros`): the decode
+    kernel walks each sequence's blocks, scattered over the pool, and in 4 kB pages nearly every block is a TLB
+    miss (bf16 batch 1 at ~190 tokens, alternating in one process: TPOT median 10.31 -> 9.87 ms, the 8-token
+    prompt's 9.91)."""
     if device.type == "cpu":
         return cpu_kernels.huge_page_zeros(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)

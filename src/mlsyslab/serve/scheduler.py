@@ -141,7 +141,7 @@ class Scheduler:
 
     def reserve(self, request: Request, count: int) -> bool:
         """Own the blocks for `count` more tokens, evicting cached prefixes if needed; False if impossible."""
-        needed = self.kv.blocks_for(request.num_computed + count) - len(request.blocks)
+        needed = self.blocks_short(request, count)
         if needed <= 0:
             return True
         if needed > self.kv.num_free and self.radix is not None:
@@ -155,13 +155,17 @@ class Scheduler:
         """Own the blocks for `count` more tokens of each request (multi-step decoding), from free blocks only:
         nothing is evicted or preempted for tokens that may never be kept. False, taking nothing, if too few are
         free. (A request keeps what it took until it finishes or is preempted, as it would for its next tokens.)"""
-        needed = [self.kv.blocks_for(request.num_computed + count) - len(request.blocks) for request in requests]
+        needed = [self.blocks_short(request, count) for request in requests]
         if sum(max(0, n) for n in needed) > self.kv.num_free:
             return False
         for request, n in zip(requests, needed):
             if n > 0:
                 request.blocks += self.kv.allocate(n)
         return True
+
+    def blocks_short(self, request: Request, count: int) -> int:
+        """Blocks the request lacks for `count` more tokens (<= 0: none)."""
+        return self.kv.blocks_for(request.num_computed + count) - len(request.blocks)
 
     def preempt(self, request: Request) -> None:
         """Recompute preemption: give the blocks back, requeue in arrival order, keep the output."""
