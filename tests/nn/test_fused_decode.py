@@ -10,7 +10,7 @@ from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.fused_decode import FusedDecode
 from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.nn import packed_linear
-from mlsyslab.nn.packed_linear import STREAMED_BELOW, packed_for_inference
+from mlsyslab.nn.packed_linear import packed_for_inference, streamed_below
 from mlsyslab.nn.paged_attention import DecodeSteps, PagedAttention, SequenceSlice
 from mlsyslab.serve.engine import Engine, EngineConfig
 from mlsyslab.serve.sampling import SamplingParams
@@ -49,7 +49,8 @@ def decode_case(dtype, context_lens, block_size=16, num_blocks=32, ahead=0):
 @pytest.fixture(params=["this CPU's plan", "AVX2 plan", "AVX2 plan, ffn_hidden 140"])
 def plan(request, monkeypatch):
     """The kernel plan of this CPU, and the one of CPUs where oneDNN cannot pack bf16 (steps under
-    STREAMED_BELOW rows take the streamed kernel everywhere, so the step is one `streamed_decode`); with
+    `streamed_below()` rows take the streamed kernel in both, so the step is one `streamed_decode`: 4 rows
+    where oneDNN packs bf16, 16 where it cannot); with
     ffn_hidden 140 an output group of gate|up holds both gate and up rows (each thread computes the gate and
     up rows of its own columns)."""
     if request.param.startswith("AVX2 plan"):
@@ -60,13 +61,13 @@ def plan(request, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("context_lens", [[1], [40], [5, 16, 17, 70, 33], [3 + 5 * i for i in range(STREAMED_BELOW)]])
+@pytest.mark.parametrize("context_lens", [[1], [40], [5, 16, 17], [5, 16, 17, 70, 33], [3 + 5 * i for i in range(16)]])
 def test_fused_decode_equals_the_python_layers_and_writes_the_same_cache(dtype, context_lens, plan):
     model = serving_model(dtype)
     assert FusedDecode.applies_to(model)
     fused = FusedDecode(model)
-    if plan.startswith("AVX2 plan"):  # one parallel region under STREAMED_BELOW rows, the per-op loop from there
-        assert fused.plan(len(context_lens)).streamed == (len(context_lens) < STREAMED_BELOW)
+    # one parallel region under streamed_below() rows, the per-op loop from there
+    assert fused.plan(len(context_lens)).streamed == (len(context_lens) < streamed_below())
     k_cache, v_cache, slices, ids, positions = decode_case(dtype, context_lens, num_blocks=64)
     rows = torch.arange(len(context_lens))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
@@ -87,10 +88,9 @@ def test_fused_decode_equals_the_python_layers_and_writes_the_same_cache(dtype, 
     assert torch.equal(picked, expected_picked)
 
 
-def test_the_streamed_steps_greedy_token_is_the_first_of_equal_largest_logits(monkeypatch):
+def test_the_streamed_steps_greedy_token_is_the_first_of_equal_largest_logits():
     """Two threads note the largest logit of their own columns; a tie across them goes to the first column,
     as torch's max(dim).indices (and HF's argmax) break it."""
-    monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: False)
     k_cache, v_cache, slices, ids, positions = decode_case(torch.bfloat16, [30])
 
     def step(model):
@@ -110,8 +110,7 @@ def test_the_streamed_steps_greedy_token_is_the_first_of_equal_largest_logits(mo
     assert argmax.tolist() == [tied[0]] == logits.max(dim=-1).indices.tolist()
 
 
-def test_streamed_decode_refuses_inputs_that_do_not_fit(monkeypatch):
-    monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: False)
+def test_streamed_decode_refuses_inputs_that_do_not_fit():
     model = serving_model(torch.float32)
     fused = FusedDecode(model)
     k_cache, v_cache, slices, ids, positions = decode_case(torch.float32, [20, 3])
@@ -128,13 +127,14 @@ def test_streamed_decode_refuses_inputs_that_do_not_fit(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("context_lens", [[1], [15, 40, 70], [3 + 5 * i for i in range(STREAMED_BELOW - 1)]])
+@pytest.mark.parametrize("context_lens", [[1], [15, 40, 70], [3 + 5 * i for i in range(15)]])
 def test_steps_ahead_equal_one_step_at_a_time(dtype, context_lens, plan):
     """Multi-step decoding: k steps in one call, each row's greedy token fed back, give the tokens and the cache of
     k single steps (crossing block boundaries: 15 + 1 token opens a block)."""
     fused = FusedDecode(serving_model(dtype))
-    if not fused.runs_ahead(len(context_lens)):
-        pytest.skip("this CPU's plan does not take the streamed step")
+    if not fused.runs_ahead(len(context_lens)):  # only the streamed step runs ahead
+        assert len(context_lens) >= streamed_below()
+        pytest.skip(f"{len(context_lens)} rows do not take the streamed step under this plan")
     steps = 6
     k_cache, v_cache, slices, ids, positions = decode_case(dtype, context_lens, num_blocks=64, ahead=steps)
     tables = [seq.block_table for seq in slices]
@@ -154,10 +154,9 @@ def test_steps_ahead_equal_one_step_at_a_time(dtype, context_lens, plan):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_steps_ahead_draw_as_the_sampler_does(dtype, monkeypatch):
+def test_steps_ahead_draw_as_the_sampler_does(dtype):
     """Rows with a temperature draw their token in the run from softmax(logits / T) with the uniform given, as
     `serve.sampling.draw` draws it from the single step's logits; greedy rows beside them take the largest."""
-    monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: False)
     fused = FusedDecode(serving_model(dtype))
     steps, context_lens = 5, [9, 30, 17]
     k_cache, v_cache, slices, ids, positions = decode_case(dtype, context_lens, num_blocks=64, ahead=steps)
@@ -179,8 +178,7 @@ def test_steps_ahead_draw_as_the_sampler_does(dtype, monkeypatch):
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
-def test_steps_ahead_refuse_tables_without_room_and_picked_rows(monkeypatch):
-    monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: False)
+def test_steps_ahead_refuse_tables_without_room_and_picked_rows():
     fused = FusedDecode(serving_model(torch.float32))
     k_cache, v_cache, slices, ids, positions = decode_case(torch.float32, [20, 3])
     tables = [seq.block_table for seq in slices]

@@ -64,14 +64,27 @@ def test_every_row_count_computes_the_same_product(dtype):
     check_every_row_count(dtype)
 
 
+S, P, L, INF = Kernel.STREAMED, Kernel.PACKED, Kernel.PLAIN, float("inf")
+
+
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels did not build here")
-@pytest.mark.parametrize("dtype, wide", [(torch.bfloat16, Kernel.PLAIN), (torch.float32, Kernel.PACKED)])
-def test_avx2_cpus_stream_small_steps(monkeypatch, dtype, wide):
-    """Where oneDNN cannot pack bf16 (AVX2 CPUs), steps under STREAMED_BELOW rows take the streamed
-    kernel on its tiled weight, and the rest oneDNN (fp32) or the plain weight (bf16)."""
-    monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: False)
-    assert kernel_plan(dtype) == ((packed_linear.STREAMED_BELOW, Kernel.STREAMED), (float("inf"), wide))
-    check_every_row_count(dtype)
+@pytest.mark.parametrize("packs_bf16, amx, dtype, plan", [
+    (False, False, torch.bfloat16, ((16, S), (INF, L))),  # AVX2 (Zen 3): oneDNN refuses to pack bf16
+    (False, False, torch.float32, ((16, S), (INF, P))),
+    (True, False, torch.bfloat16, ((4, S), (INF, P))),  # AVX-512 (Zen 4)
+    (True, False, torch.float32, ((4, S), (INF, P))),
+    (True, True, torch.bfloat16, ((4, S), (256, P), (INF, L))),  # AMX: its GEMM on the plain weight from 256 rows
+])
+def test_small_steps_stream_on_every_cpu(monkeypatch, packs_bf16, amx, dtype, plan):
+    """Wherever the C++ kernels build, steps under `streamed_below()` rows (16 where oneDNN cannot pack bf16,
+    4 where it can) take the streamed kernel on its tiled weight, and wider ones oneDNN's packed weight or the
+    plain one, by what the CPU has; every kernel of the plan computes the product (where this CPU can run it)."""
+    runnable = dtype == torch.float32 or not packs_bf16 or packed_linear.onednn_packs_bf16()
+    monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: packs_bf16)
+    monkeypatch.setattr(cpu_kernels, "cpu_has_amx", lambda: amx)
+    assert kernel_plan(dtype) == plan
+    if runnable:
+        check_every_row_count(dtype)
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels did not build here")

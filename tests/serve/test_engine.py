@@ -103,17 +103,18 @@ def test_refresh_weights_serves_the_updated_model():
 
 
 def test_bf16_weights_run_wide_steps_on_their_exact_fp32_copy():
-    """A 16-bit CPU engine sends steps of many tokens to an fp32 copy of the same weights (faster GEMMs
-    without AMX); the copy holds the bf16 values exactly, so all-wide generation is the fp32 model's."""
+    """A 16-bit CPU engine sends steps of many tokens to an fp32 copy of the same weights (faster GEMMs on
+    CPUs without a bf16 dot product); the copy holds the bf16 values exactly, so all-wide generation is the
+    fp32 model's."""
     import copy
 
-    from mlsyslab.nn.cpu_kernels import cpu_has_amx
+    from mlsyslab.nn.cpu_kernels import cpu_has_bf16_dot
     from tests.serve.tiny import block_bytes, greedy_reference, tiny_model
 
     model = tiny_model(dtype=torch.bfloat16)
     config = EngineConfig(kv_cache_bytes=100 * block_bytes(16))
     default = Engine(model, config=config)
-    assert default.wide_from == (0 if cpu_has_amx() else 16) and (default.wide_model is None) == cpu_has_amx()
+    assert default.wide_from == (0 if cpu_has_bf16_dot() else 16) and (default.wide_model is None) == cpu_has_bf16_dot()
     assert Engine(model, config=EngineConfig(kv_cache_bytes=config.kv_cache_bytes, fp32_steps_from=0)).wide_model is None
     always = LLM(model, config=EngineConfig(kv_cache_bytes=config.kv_cache_bytes, fp32_steps_from=1))
     wide = always.engine.wide_model

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from mlsyslab.errors import InvalidValue
-from mlsyslab.nn import cpu_kernels, packed_linear
+from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.serve.engine import Engine, EngineConfig
 from mlsyslab.serve.sampling import SamplingParams
@@ -104,7 +104,7 @@ AHEAD_MODEL = Llama(AHEAD_CONFIG).initialize(0.5, torch.Generator().manual_seed(
 @functools.cache
 def one_step_reference(prompt: tuple[int, ...], max_tokens: int, stop_token_ids: tuple[int, ...],
                        temperature: float = 0.0, seed: int | None = None) -> list[int]:
-    """The request alone, one decode step per call (the plan is patched by the caller)."""
+    """The request alone, one decode step per call."""
     engine = Engine(AHEAD_MODEL, config=EngineConfig(kv_cache_bytes=10_000_000, decode_steps=1))
     engine.add_request("alone", list(prompt), SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
                                                              stop_token_ids=stop_token_ids))
@@ -132,14 +132,13 @@ def test_multi_step_decoding_loses_nothing_and_equals_one_step_at_a_time(request
         arrivals.append((arrive, [rng.randrange(AHEAD_CONFIG.vocab) for _ in range(length)], max_tokens, abort_at))
     bytes_per_block = kv_block_bytes(AHEAD_CONFIG, block_size, torch.float32)
     largest = max(-(-(len(p) + m) // block_size) for _, p, m, _ in arrivals)
-    with mock.patch.object(packed_linear, "onednn_packs_bf16", lambda: False):
-        engine = Engine(AHEAD_MODEL, config=EngineConfig(
-            kv_cache_bytes=(largest + spare_blocks) * bytes_per_block, block_size=block_size,
-            max_batched_tokens=budget, prefix_cache=prefix_cache, decode_steps=5))
-        with mock.patch.object(engine, "decode_ahead", wraps=engine.decode_ahead) as ahead:
-            finished, aborted = run(engine, arrivals, stop_token_ids=[stop_token], temperature=temperature)
-        expected = {str(i): one_step_reference(tuple(prompt), max_tokens, (stop_token,), temperature, i)
-                    for i, (_, prompt, max_tokens, _) in enumerate(arrivals)}
+    engine = Engine(AHEAD_MODEL, config=EngineConfig(
+        kv_cache_bytes=(largest + spare_blocks) * bytes_per_block, block_size=block_size,
+        max_batched_tokens=budget, prefix_cache=prefix_cache, decode_steps=5))
+    with mock.patch.object(engine, "decode_ahead", wraps=engine.decode_ahead) as ahead:
+        finished, aborted = run(engine, arrivals, stop_token_ids=[stop_token], temperature=temperature)
+    expected = {str(i): one_step_reference(tuple(prompt), max_tokens, (stop_token,), temperature, i)
+                for i, (_, prompt, max_tokens, _) in enumerate(arrivals)}
     event(f"ran ahead: {ahead.call_count > 0}")
     for request_id in expected:
         assert request_id in finished or request_id in aborted
@@ -150,8 +149,7 @@ def test_multi_step_decoding_loses_nothing_and_equals_one_step_at_a_time(request
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels did not build here")
-def test_greedy_decodes_run_ahead_only_while_nobody_waits(monkeypatch):
-    monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: False)
+def test_greedy_decodes_run_ahead_only_while_nobody_waits():
     engine = Engine(AHEAD_MODEL, config=EngineConfig(kv_cache_bytes=10_000_000, decode_steps=4))
     ahead = mock.patch.object(engine, "decode_ahead", wraps=engine.decode_ahead).start()
     outputs = {}

@@ -61,6 +61,12 @@ def cpu_has_amx() -> bool:
     return "amx_bf16" in cpu_description()[1]
 
 
+def cpu_has_bf16_dot() -> bool:
+    """Whether this CPU multiplies bf16 pairs in one instruction (AVX512_BF16's dot product or AMX tiles), so
+    that oneDNN's bf16 GEMM does twice the multiply-adds of its fp32 one (False where it cannot tell)."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_description()[1])
+
+
 def cpu_fingerprint() -> str:
     """The CPU's model name and feature flags, hashed: what `-march=native` compiles for."""
     model, flags = cpu_description()

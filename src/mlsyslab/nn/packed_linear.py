@@ -11,16 +11,23 @@ Three kernels compute x Wᵀ (`Kernel`):
   that it reads as one sequential stream per thread.
 Which is fastest depends on the dtype, the CPU and the row count (tokens in the step); measured (2
 cores, 30 layers of SmolLM2-135M's matrices; benchmarks/serve.py runs the model end to end):
-- AVX-512 host (where oneDNN packs bf16): fp32 at 1-2 rows PLAIN (MKL's GEMV) streams the matrices
-  at 25 GB/s, PACKED at 22, and from 4 rows PACKED is ahead (1.3-1.4x at 4-16 rows, even from 256);
-  bf16 PACKED is 1.5x `F.linear` at 1-128 rows, and with AMX tiles, from 256 rows PLAIN reaches
-  oneDNN's AMX GEMM at 1,200-1,500 GFLOP/s against 900-950 for PACKED;
+- AVX-512 host with AMX (before the streamed kernel existed): fp32 at 1-2 rows PLAIN (MKL's GEMV)
+  streams the matrices at 25 GB/s, PACKED at 22, and from 4 rows PACKED is ahead (1.3-1.4x at 4-16
+  rows, even from 256); bf16 PACKED is 1.5x `F.linear` at 1-128 rows, and with AMX tiles, from 256
+  rows PLAIN reaches oneDNN's AMX GEMM at 1,200-1,500 GFLOP/s against 900-950 for PACKED;
 - AVX2 host (AMD Zen 3, 2026-11-24; oneDNN refuses to pack bf16 there): STREAMED at 1 row reads
   27 GB/s in bf16 and 32 GB/s in fp32 (a sum reads 27-30), where MKL's fp32 GEMV reads 14 and
   PACKED fp32 28; over the model's matrices STREAMED is ahead of PACKED fp32 up to 16-24 rows in
-  both dtypes (bf16 at 16 rows: 38.8 against 40.0 ms), so it takes steps under `STREAMED_BELOW`
-  rows, PACKED the fp32 steps above and PLAIN the bf16 ones (the engine runs wide steps on an fp32
-  copy there anyway: `serve.engine.Engine.wide_step_model`).
+  both dtypes (bf16 at 16 rows: 38.8 against 40.0 ms), so it takes steps under 16 rows, PACKED the
+  fp32 steps above and PLAIN the bf16 ones (the engine runs wide steps on an fp32 copy there anyway:
+  `serve.engine.Engine.wide_step_model`);
+- AVX-512 host with AVX512_BF16, no AMX (AMD Zen 4, 2026-11-25; the tiles on huge pages, alternating
+  in one process, medians of 6): STREAMED against PACKED at 1 / 4 / 8 / 16 rows, bf16 9.4 / 15.3 /
+  23.7 / 40.0 ms against 15.4 / 15.0 / 16.3 / 20.8, fp32 22.0 / 25.2 / 31.2 / 45.4 against 26.2 / 24.1 /
+  26.9 / 34.9 (the streamed kernel widens bf16 and does a multiply-add per weight and row, where
+  oneDNN's bf16 kernel multiplies pairs of bf16 in one instruction), so STREAMED takes steps under 4
+  rows there (`streamed_below`; the Zen 4 batch-1 step went from 16-21 to 8.4-11.1 ms in bf16 and
+  from 56-61 to 20-25 ms in fp32), PACKED the rest.
 q/k/v and gate/up are each one matrix (`FusedPackedLinear`), and `add_to` folds the residual add
 that follows o_proj and down_proj into the matmul: at decode batch sizes the kernel count is what
 costs (the fp32 batch-1 step went from 33.0 to 31.6 ms).
@@ -47,7 +54,6 @@ from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.llama import Llama
 
 BATCH_HINT = 256  # rows the packing is tuned for; measured here it also serves batch 1 at full speed
-STREAMED_BELOW = 16  # rows below which the streamed kernel runs on AVX2 CPUs (where oneDNN cannot pack bf16)
 
 
 class Kernel(enum.IntEnum):
@@ -106,9 +112,25 @@ class PackedLinear(nn.Module):
 
 def kernel_plan(dtype: torch.dtype) -> tuple[tuple[float, Kernel], ...]:
     """((below, kernel), ...): products of fewer than `below` rows (and at least the previous bound) run
-    on `kernel` (measurements in the module docstring)."""
-    if cpu_kernels.load() is not None and not onednn_packs_bf16():
-        return (STREAMED_BELOW, Kernel.STREAMED), (math.inf, Kernel.PACKED if dtype == torch.float32 else Kernel.PLAIN)
+    on `kernel` (measurements in the module docstring): the streamed kernel under `streamed_below()` rows
+    wherever the C++ kernels build, oneDNN or the plain weight from there (and everywhere without them)."""
+    wide = wide_kernel_plan(dtype)
+    if cpu_kernels.load() is None:
+        return wide
+    below = streamed_below()
+    return ((below, Kernel.STREAMED),) + tuple((bound, kernel) for bound, kernel in wide if bound > below)
+
+
+def streamed_below() -> int:
+    """Rows under which the streamed kernel runs: 16 where oneDNN cannot pack bf16 (on Zen 3 the streamed
+    kernel led oneDNN's packed fp32 up to 16-24 rows), 4 where it can (on Zen 4 oneDNN's packed matmul caught up
+    at 4 rows and led from there: module docstring)."""
+    return 4 if onednn_packs_bf16() else 16
+
+
+def wide_kernel_plan(dtype: torch.dtype) -> tuple[tuple[float, Kernel], ...]:
+    """The plan without the streamed kernel: MKL's GEMV or oneDNN's packed matmul for fp32, oneDNN's packed
+    bf16 matmul where it packs bf16 (its AMX GEMM on the plain weight from 256 rows), else the plain weight."""
     if dtype == torch.float32:
         return (3, Kernel.PLAIN), (math.inf, Kernel.PACKED)
     if onednn_packs_bf16():

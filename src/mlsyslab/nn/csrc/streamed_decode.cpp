@@ -31,7 +31,7 @@
 // so the logits and the cache are bit-equal to decode_layers' and to the Python layers'
 // (tests/nn/test_fused_decode.py). A thread keeps the same share of each matrix every step.
 // Used by `nn.fused_decode` when every matrix of the step takes the streamed kernel (steps under
-// `nn.packed_linear.STREAMED_BELOW` rows on CPUs where oneDNN cannot pack bf16).
+// `nn.packed_linear.streamed_below()` rows wherever the C++ kernels build).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
