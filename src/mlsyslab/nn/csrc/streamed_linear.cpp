@@ -90,12 +90,15 @@ inline Eight transpose_sum(const Floats (&acc)[kGroup]) {
 // in flight and the hardware prefetcher alone streamed bf16 tiles at 14.6-16.6 GB/s on one Zen 3 core
 // where fp32 ones reached 17.7-20. With 1 KB ahead the batch-1 bf16 step went from 10.96-11.60 to
 // 10.20-10.84 ms (in one process, alternating), 8 rows from 29.6-29.9 to 28.4-28.6 ms; for fp32 it cost
-// 10% (19.4 -> 21.7 ms), so fp32 tiles take no prefetch. On Zen 4 (AVX-512, 2026-11-25) the hardware
-// prefetchers alone were faster for bf16 too: whole batch-1 steps in separate processes, alternating, 4 x 3
-// runs, TPOT 8.4-11.1 ms without against 10.1-13.4 with 1 KB ahead; the matrices alone 9.3-9.7 against
-// 11.1 ms. So CPUs with AVX-512 take none (Zen 4 measured; Intel's AVX-512 CPUs not).
+// 10% (19.4 -> 21.7 ms), so fp32 tiles take no prefetch. On Zen 4 (AVX-512, 2026-11-25) it is the other way
+// round. Over SmolLM2's 121 matrices at 1 row, each distance in turn, 3 minutes, with the host in its slow
+// phase (a sum reads ~36 GB/s) and its fast one (~64): bf16 with none 31.2 / 44.8 GB/s, 1 KB ahead
+// 27.4 / 36.1, 2 KB 28.5 / 37.2; fp32 with none 24.6 / 35.2, 2 KB 27.0 / 36.0 (1 KB 25.7 / 34.5, 4 and 8 KB
+// as 2); whole batch-1 bf16 steps, alternating processes, TPOT 8.4-11.1 ms with none against 10.1-13.4 with
+// 1 KB. So CPUs with AVX-512 prefetch fp32 tiles 2 KB ahead and bf16 ones not at all (Zen 4 measured;
+// Intel's AVX-512 CPUs not).
 #if defined(__AVX512F__)
-template <typename T> constexpr int64_t kPrefetchBytes = 0;
+template <typename T> constexpr int64_t kPrefetchBytes = std::is_same_v<T, c10::BFloat16> ? 0 : 2048;
 #else
 template <typename T> constexpr int64_t kPrefetchBytes = std::is_same_v<T, c10::BFloat16> ? 1024 : 0;
 #endif
