@@ -26,7 +26,8 @@ of 5, in 4 kB pages and on transparent huge pages, the faster; since 2026-11-24 
 4 kB pages only) — one pass over the weights per token. The bandwidth is measured at the start and again just
 before and just after each of our batch-1 loads (the server idle; in process too; the reading after since
 2026-11-25 00:26 UTC), and the highest reading taken: this machine's bandwidth drifts between 23 and 43 GB/s
-over minutes, and a low reading flatters the fraction (102% at 08:50 UTC on 2026-11-24, from a start-up
+over minutes (the AVX2 host), or jumps between ~35 and ~60-65 GB/s every few seconds to minutes (the Zen 4
+host, 2026-11-25), and a low reading flatters the fraction (102% at 08:50 UTC on 2026-11-24, from a start-up
 reading of 23.4 GB/s; 101% in a run at 00:23 UTC on 2026-11-25, from readings taken only before the
 load). A missing peer venv is skipped with the command that creates it. Every row records the CPU share
 other processes took: while it ran (in process), or in the second before its load started (HTTP rows, when

@@ -85,22 +85,26 @@ inline Eight transpose_sum(const Floats (&acc)[kGroup]) {
   return transpose_sum8(a);
 }
 
-// How far ahead of a tile the bf16 kernel asks for weights (a software prefetch, non-temporal: read once).
-// A bf16 byte costs twice the FMAs of an fp32 byte, so the out-of-order window covers half as many bytes
-// in flight and the hardware prefetcher alone streamed bf16 tiles at 14.6-16.6 GB/s on one Zen 3 core
-// where fp32 ones reached 17.7-20. With 1 KB ahead the batch-1 bf16 step went from 10.96-11.60 to
-// 10.20-10.84 ms (in one process, alternating), 8 rows from 29.6-29.9 to 28.4-28.6 ms; for fp32 it cost
-// 10% (19.4 -> 21.7 ms), so fp32 tiles take no prefetch. On Zen 4 (AVX-512, 2026-11-25) it is the other way
-// round. Over SmolLM2's 121 matrices at 1 row, each distance in turn, 3 minutes, with the host in its slow
-// phase (a sum reads ~36 GB/s) and its fast one (~64): bf16 with none 31.2 / 44.8 GB/s, 1 KB ahead
-// 27.4 / 36.1, 2 KB 28.5 / 37.2; fp32 with none 24.6 / 35.2, 2 KB 27.0 / 36.0 (1 KB 25.7 / 34.5, 4 and 8 KB
-// as 2); whole batch-1 bf16 steps, alternating processes, TPOT 8.4-11.1 ms with none against 10.1-13.4 with
-// 1 KB. So CPUs with AVX-512 prefetch fp32 tiles 2 KB ahead and bf16 ones not at all (Zen 4 measured;
-// Intel's AVX-512 CPUs not).
+// How far ahead of a tile the kernel asks for weights (a software prefetch), and with which hint, by CPU.
+// Zen 3 (AVX2): a bf16 byte costs twice the FMAs of an fp32 byte, so the out-of-order window covers half as
+// many bytes in flight and the hardware prefetcher alone streamed bf16 tiles at 14.6-16.6 GB/s on one core
+// where fp32 ones reached 17.7-20. With 1 KB ahead, non-temporal (read once), the batch-1 bf16 step went from
+// 10.96-11.60 to 10.20-10.84 ms (in one process, alternating), 8 rows from 29.6-29.9 to 28.4-28.6 ms; for
+// fp32 it cost 10% (19.4 -> 21.7 ms), so fp32 tiles take none; the T0/T1/T2 hints were 1-2% slower.
+// Zen 4 (AVX-512, 2026-11-25) is the other way round. Over SmolLM2's 121 matrices at 1 row, the variants in
+// turn in one process for minutes, medians in the host's slow phase (a sum reads ~36 GB/s) / its fast one
+// (~64): bf16 with none 31.2 / 44.8 GB/s, non-temporal 1 KB ahead 27.4 / 36.1, 2 KB 28.5 / 37.2; fp32 with
+// none 24.6 / 35.2, non-temporal 2 KB 25.4 / 30.7 (1 KB 25.7 / 34.5, 4-8 KB as 2), with the T1 hint (into L2)
+// 2 KB 27.8 / 37.4, 4 KB 28.6 / 38.3, 8 KB 26.5 / 39.4 (bf16 with T1: 2 KB 30.7-33.4 / 45.3-45.6 against none
+// 30.7-31.8 / 44.2-45.2, 4 KB 28.1 / 33.7); whole batch-1 bf16 steps, alternating processes, TPOT 8.4-11.1 ms
+// with none against 10.1-13.4 with 1 KB non-temporal. So CPUs with AVX-512 prefetch fp32 tiles 4 KB ahead into
+// L2 and bf16 ones not at all (Zen 4 measured; Intel's AVX-512 CPUs not).
 #if defined(__AVX512F__)
-template <typename T> constexpr int64_t kPrefetchBytes = std::is_same_v<T, c10::BFloat16> ? 0 : 2048;
+template <typename T> constexpr int64_t kPrefetchBytes = std::is_same_v<T, c10::BFloat16> ? 0 : 4096;
+constexpr int kPrefetchLocality = 2;  // __builtin_prefetch's locality 2: prefetcht1
 #else
 template <typename T> constexpr int64_t kPrefetchBytes = std::is_same_v<T, c10::BFloat16> ? 1024 : 0;
+constexpr int kPrefetchLocality = 0;  // prefetchnta: no temporal locality
 #endif
 
 template <typename T>
@@ -114,7 +118,7 @@ void group_outputs(const StreamedProduct<T>& p, int64_t group) {
       if (kPrefetchBytes<T> > 0 && r == 0) {  // later rows find the group's tiles in L1
         const char* ahead = reinterpret_cast<const char*>(tiles + c * kGroup * kChunk) + kPrefetchBytes<T>;
         for (int64_t line = 0; line < int64_t(kGroup * kChunk * sizeof(T)); line += 64)
-          __builtin_prefetch(ahead + line, /*read*/ 0, /*no temporal locality*/ 0);
+          __builtin_prefetch(ahead + line, /*read*/ 0, kPrefetchLocality);
       }
       const Floats first_x = bits_as<Floats>(x + c * kChunk);
       const Floats second_x = bits_as<Floats>(x + c * kChunk + kLanes);
