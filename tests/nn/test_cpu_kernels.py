@@ -168,9 +168,10 @@ def test_streamed_linear_refuses_what_it_does_not_compute():
         ops.stream_pack(torch.randn(4, 8).double())
     with pytest.raises(RuntimeError, match="tiles: a contiguous"):
         ops.streamed_linear(x, torch.randn(4, 8).bfloat16(), 4)
-    with pytest.raises(RuntimeError, match="tiles: out_features 9 does not fit"):
-        ops.streamed_linear(x, tiles, 9)
-    with pytest.raises(RuntimeError, match="tiles: 70 inputs do not fit tiles of 1 chunks"):
+    group = tiles.shape[2]  # outputs a tile holds: 8, or 48 where bf16 takes the pair kernel
+    with pytest.raises(RuntimeError, match=f"tiles: out_features {group + 1} does not fit"):
+        ops.streamed_linear(x, tiles, group + 1)
+    with pytest.raises(RuntimeError, match=f"tiles: 70 inputs do not fit tiles of {tiles.shape[1]} chunks"):
         ops.streamed_linear(torch.randn(2, 70).bfloat16(), tiles, 4)
     with pytest.raises(RuntimeError, match="residual: a contiguous tensor"):
         ops.streamed_linear(x, tiles, 4, torch.randn(2, 5).bfloat16())

@@ -49,12 +49,13 @@ def decode_case(dtype, context_lens, block_size=16, num_blocks=32, ahead=0):
 @pytest.fixture(params=["this CPU's plan", "AVX2 plan", "AVX2 plan, ffn_hidden 140"])
 def plan(request, monkeypatch):
     """The kernel plan of this CPU, and the one of CPUs where oneDNN cannot pack bf16 (steps under
-    `streamed_below()` rows take the streamed kernel in both, so the step is one `streamed_decode`: 4 rows
-    where oneDNN packs bf16, 16 where it cannot); with
+    `streamed_below(dtype)` rows take the streamed kernel in both, so the step is one `streamed_decode`: every
+    row count for bf16 on the pair kernel, else 4 rows where oneDNN packs bf16, 16 where it cannot); with
     ffn_hidden 140 an output group of gate|up holds both gate and up rows (each thread computes the gate and
     up rows of its own columns)."""
     if request.param.startswith("AVX2 plan"):
         monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: False)
+        monkeypatch.setattr(cpu_kernels, "pair_dot", lambda: False)
     if request.param.endswith("ffn_hidden 140"):
         monkeypatch.setitem(globals(), "CONFIG", dataclasses.replace(CONFIG, ffn_hidden=140))
     return request.param
@@ -66,8 +67,8 @@ def test_fused_decode_equals_the_python_layers_and_writes_the_same_cache(dtype, 
     model = serving_model(dtype)
     assert FusedDecode.applies_to(model)
     fused = FusedDecode(model)
-    # one parallel region under streamed_below() rows, the per-op loop from there
-    assert fused.plan(len(context_lens)).streamed == (len(context_lens) < streamed_below())
+    # one parallel region under streamed_below(dtype) rows, the per-op loop from there
+    assert fused.plan(len(context_lens)).streamed == (len(context_lens) < streamed_below(dtype))
     k_cache, v_cache, slices, ids, positions = decode_case(dtype, context_lens, num_blocks=64)
     rows = torch.arange(len(context_lens))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
@@ -133,7 +134,7 @@ def test_steps_ahead_equal_one_step_at_a_time(dtype, context_lens, plan):
     k single steps (crossing block boundaries: 15 + 1 token opens a block)."""
     fused = FusedDecode(serving_model(dtype))
     if not fused.runs_ahead(len(context_lens)):  # only the streamed step runs ahead
-        assert len(context_lens) >= streamed_below()
+        assert len(context_lens) >= streamed_below(dtype)
         pytest.skip(f"{len(context_lens)} rows do not take the streamed step under this plan")
     steps = 6
     k_cache, v_cache, slices, ids, positions = decode_case(dtype, context_lens, num_blocks=64, ahead=steps)

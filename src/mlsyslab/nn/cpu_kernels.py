@@ -8,7 +8,8 @@
 - `decode_layers` (csrc/decode_layers.cpp): a decode step through every decoder layer in one call, the
   kernels above and the serving copy's matmuls in C++ order; used by `nn.fused_decode`.
 - `stream_pack`, `streamed_linear` (csrc/streamed_linear.cpp): the matrix-vector product of small
-  decode steps, on a tiled copy of the weight (`nn.packed_linear`).
+  decode steps, on a tiled copy of the weight (`nn.packed_linear`); for bf16 where the CPU has AVX512_BF16,
+  the register-blocked pair-instruction GEMM of csrc/pair_dot_linear.cpp, at every row count (`pair_dot`).
 - `streamed_decode` (csrc/streamed_decode.cpp): a whole decode step, logits included, in one parallel
   region, when every matrix takes the streamed kernel; used by `nn.fused_decode`.
 - `softmax_draw` (csrc/softmax_draw.cpp): one token per row from softmax(logits / T) by inverse CDF;
@@ -65,6 +66,12 @@ def cpu_has_bf16_dot() -> bool:
     """Whether this CPU multiplies bf16 pairs in one instruction (AVX512_BF16's dot product or AMX tiles), so
     that oneDNN's bf16 GEMM does twice the multiply-adds of its fp32 one (False where it cannot tell)."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_description()[1])
+
+
+def pair_dot() -> bool:
+    """Whether the streamed kernel multiplies bf16 weights with AVX512_BF16's pair instruction in this build
+    (csrc/pair_dot_linear.cpp; False where the kernels do not build)."""
+    return load() is not None and load().streamed_pair_dot()
 
 
 def cpu_fingerprint() -> str:

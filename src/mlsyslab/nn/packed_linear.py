@@ -8,7 +8,8 @@ Three kernels compute x Wᵀ (`Kernel`):
   all intra-op threads;
 - PLAIN: `F.linear` on the plain weight (MKL's GEMV / GEMM, or oneDNN's AMX GEMM for bf16);
 - STREAMED: our matrix-vector kernel (`nn/csrc/streamed_linear.cpp`) on a tiled copy of the weight
-  that it reads as one sequential stream per thread.
+  that it reads as one sequential stream per thread; for bf16 on CPUs with AVX512_BF16, a register-blocked
+  GEMM on the pair instruction (`nn/csrc/pair_dot_linear.cpp`, `cpu_kernels.pair_dot`).
 Which is fastest depends on the dtype, the CPU and the row count (tokens in the step); measured (2
 cores, 30 layers of SmolLM2-135M's matrices; benchmarks/serve.py runs the model end to end):
 - AVX-512 host with AMX (before the streamed kernel existed): fp32 at 1-2 rows PLAIN (MKL's GEMV)
@@ -27,7 +28,10 @@ cores, 30 layers of SmolLM2-135M's matrices; benchmarks/serve.py runs the model 
   26.9 / 34.9 (the streamed kernel widens bf16 and does a multiply-add per weight and row, where
   oneDNN's bf16 kernel multiplies pairs of bf16 in one instruction), so STREAMED takes steps under 4
   rows there (`streamed_below`; the Zen 4 batch-1 step went from 16-21 to 8.4-11.1 ms in bf16 and
-  from 56-61 to 20-25 ms in fp32), PACKED the rest.
+  from 56-61 to 20-25 ms in fp32), PACKED the rest. Then the bf16 streamed kernel became the pair kernel there,
+  ahead of PACKED at every row count measured (1 / 4 / 16 / 32 / 256 / 2,048 rows: 8.2 / 6.7 / 13.3 / 23.0 /
+  167 / 1,359 ms against 15.2 / 12.5 / 19.8 / 30.7 / 171 / 1,432), so bf16 takes STREAMED alone where the
+  CPU has AVX512_BF16 without AMX (with AMX, oneDNN's AMX GEMM keeps the wide steps: not measured against it).
 q/k/v and gate/up are each one matrix (`FusedPackedLinear`), and `add_to` folds the residual add
 that follows o_proj and down_proj into the matmul: at decode batch sizes the kernel count is what
 costs (the fp32 batch-1 step went from 33.0 to 31.6 ms).
@@ -117,14 +121,17 @@ def kernel_plan(dtype: torch.dtype) -> tuple[tuple[float, Kernel], ...]:
     wide = wide_kernel_plan(dtype)
     if cpu_kernels.load() is None:
         return wide
-    below = streamed_below()
+    below = streamed_below(dtype)
     return ((below, Kernel.STREAMED),) + tuple((bound, kernel) for bound, kernel in wide if bound > below)
 
 
-def streamed_below() -> int:
-    """Rows under which the streamed kernel runs: 16 where oneDNN cannot pack bf16 (on Zen 3 the streamed
-    kernel led oneDNN's packed fp32 up to 16-24 rows), 4 where it can (on Zen 4 oneDNN's packed matmul caught up
-    at 4 rows and led from there: module docstring)."""
+def streamed_below(dtype: torch.dtype) -> float:
+    """Rows under which the streamed kernel runs: every row count for bf16 where it is the pair kernel and the CPU
+    has no AMX (on Zen 4 it led oneDNN's packed bf16 from 1 to 2,048 rows: module docstring); else 16 where oneDNN
+    cannot pack bf16 (on Zen 3 the streamed kernel led oneDNN's packed fp32 up to 16-24 rows), 4 where it can (on
+    Zen 4 oneDNN's packed matmul caught up with the widening kernel at 4 rows and led from there)."""
+    if dtype == torch.bfloat16 and cpu_kernels.pair_dot() and not cpu_kernels.cpu_has_amx():
+        return math.inf
     return 4 if onednn_packs_bf16() else 16
 
 

@@ -6,6 +6,9 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+
+#include <type_traits>
 
 namespace mlsyslab {
 
@@ -48,22 +51,38 @@ void check_paged_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& tables, const at::Tensor& lengths, double scale);
 
-// streamed_linear.cpp: y = x·Wᵀ (+ residual) on the tiles of `stream_pack`, by groups of 8 outputs.
+// streamed_linear.cpp: y = x·Wᵀ (+ residual) on the tiles of `stream_pack`, by groups of kGroupOutputs<T> outputs:
+// the widening kernel's groups of 8, or for bf16 where the CPU has AVX512_BF16 (kPairDot) the pair kernel's
+// panels of kPanel (pair_dot_linear.cpp).
+#if defined(__AVX512BF16__)
+constexpr bool kPairDot = true;
+#else
+constexpr bool kPairDot = false;
+#endif
+constexpr int64_t kPanel = 48;
+template <typename T>
+constexpr int64_t kGroupOutputs = kPairDot && std::is_same_v<T, c10::BFloat16> ? kPanel : 8;
 template <typename T>
 struct StreamedProduct {
-  const float* x;     // [rows, chunks · chunk width], from streamed_input
-  const T* tiles;     // [groups, chunks, 8, chunk width], from stream_pack
+  const void* x;      // the rows in the kernel's input layout, from streamed_input
+  const T* tiles;     // [groups, chunks, kGroupOutputs<T>, chunk width], from stream_pack
   const T* residual;  // [rows, out] or null
   T* y;               // [rows, out]
   int64_t rows, chunks, out;
 };
-// x's rows (in the tiles' dtype) in the order the tiles hold their inputs, in a buffer of the calling thread's.
+// x's rows (in the tiles' dtype) in the layout the kernel reads, in a buffer of the calling thread's.
 template <typename T>
-const float* streamed_input(const T* x, int64_t rows, int64_t in, int64_t row_stride, int64_t chunks);
+const void* streamed_input(const T* x, int64_t rows, int64_t in, int64_t row_stride, int64_t chunks);
 void check_tiles(const at::Tensor& tiles, int64_t out, int64_t in, const char* name);  // tiles of a [out, in] weight
 template <typename T> void streamed_groups(const StreamedProduct<T>& product, int64_t begin, int64_t end);
 at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t out,
                            const std::optional<at::Tensor>& residual);
+// pair_dot_linear.cpp: the bf16 weight [out, in] as [panels, pairs, kPanel, 2]; x's rows as 32-bit pairs of bf16
+// [rows, pairs] (zero-padded) in a buffer of the calling thread's; and the products of panels [begin, end).
+at::Tensor pair_pack(const at::Tensor& weight);
+template <typename X>
+const uint32_t* pair_input(const X* x, int64_t rows, int64_t in, int64_t row_stride, int64_t pairs);
+void pair_panels(const StreamedProduct<c10::BFloat16>& product, int64_t begin, int64_t end);
 
 // softmax_draw.cpp: the token the uniform picks from softmax(logits / temperature) of one row, by inverse CDF.
 template <typename T> int64_t draw_row(const T* logits, int64_t vocab, float temperature, double uniform);

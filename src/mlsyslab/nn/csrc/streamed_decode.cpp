@@ -121,18 +121,19 @@ struct Scratch {
 
 // act = silu(gate)·up for thread t's spans of columns, gate|up = x·Wguᵀ computed for those columns only (the gate
 // rows' output groups and the up rows' of the same columns, into the thread's own buffer): no barrier between the
-// product and the activation. (A group across the gate/up boundary, when ffn is not a multiple of 8, is computed
-// by both threads, each into its own buffer.)
+// product and the activation. (A group across the gate/up boundary or a span's, when ffn or the span is not a
+// multiple of the group, is computed by both threads, each into its own buffer.)
 template <typename T>
 void gate_up_silu(const Step<T>& s, int64_t matrix, const T* x, T* gates, int t, int threads) {
   const int64_t chunks = s.chunks[matrix];
-  const float* xs = streamed_input<T>(x, s.tokens, s.hidden, s.hidden, chunks);
+  const void* xs = streamed_input<T>(x, s.tokens, s.hidden, s.hidden, chunks);
   const Share columns((s.ffn + kSiluSpan - 1) / kSiluSpan, t, threads);
   const int64_t begin = columns.begin * kSiluSpan, end = std::min(columns.end * kSiluSpan, s.ffn);
   if (begin >= end) return;
   const StreamedProduct<T> p{xs, s.tiles[matrix], nullptr, gates, s.tokens, chunks, 2 * s.ffn};
-  streamed_groups(p, begin / 8, (end + 7) / 8);
-  streamed_groups(p, (s.ffn + begin) / 8, (s.ffn + end + 7) / 8);
+  constexpr int64_t group = kGroupOutputs<T>;
+  streamed_groups(p, begin / group, (end + group - 1) / group);
+  streamed_groups(p, (s.ffn + begin) / group, (s.ffn + end + group - 1) / group);
   for (int64_t r = 0; r < s.tokens; ++r)
     silu_and_mul_span(gates + r * 2 * s.ffn + begin, gates + r * 2 * s.ffn + s.ffn + begin,
                       s.act + r * s.ffn + begin, end - begin);
@@ -143,8 +144,8 @@ template <typename T>
 void product(const Step<T>& s, int64_t matrix, const T* x, int64_t rows, int64_t in, int64_t out, T* y, int t,
              int threads, const T* residual = nullptr) {
   const int64_t chunks = s.chunks[matrix];
-  const float* xs = streamed_input<T>(x, rows, in, in, chunks);
-  const Share share((out + 7) / 8, t, threads);
+  const void* xs = streamed_input<T>(x, rows, in, in, chunks);
+  const Share share((out + kGroupOutputs<T> - 1) / kGroupOutputs<T>, t, threads);
   streamed_groups(StreamedProduct<T>{xs, s.tiles[matrix], residual, y, rows, chunks, out}, share.begin, share.end);
 }
 
@@ -232,8 +233,9 @@ void layer(const Step<T>& s, int64_t l, Scratch<T>& own, int t, int threads) {
 
 template <typename T>
 void note_largest_logits(const Step<T>& s, int t, int threads) {
-  const Share groups((s.vocab + 7) / 8, t, threads);  // the columns `product` gave this thread
-  const int64_t begin = groups.begin * 8, end = std::min(groups.end * 8, s.vocab);
+  constexpr int64_t group = kGroupOutputs<T>;
+  const Share groups((s.vocab + group - 1) / group, t, threads);  // the columns `product` gave this thread
+  const int64_t begin = groups.begin * group, end = std::min(groups.end * group, s.vocab);
   for (int64_t r = 0; r < s.logit_rows; ++r) {
     const T* row = s.logits + r * s.vocab;
     float best = -std::numeric_limits<float>::max();

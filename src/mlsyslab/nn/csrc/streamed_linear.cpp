@@ -22,6 +22,10 @@
 // product streamed 17-20 GB/s of 24 on an AVX-512 host, and MKL's fp32 one 14 GB/s of 27-30 on Zen 3
 // (docs/serving.md). Used by `nn.packed_linear.PackedLinear` for the row counts it picks; tested in
 // tests/nn/test_cpu_kernels.py against the exact product.
+//
+// For bf16 weights on CPUs with AVX512_BF16 (`kPairDot`), the tiles and the product are the pair kernel's
+// instead (pair_dot_linear.cpp: panels of 48 outputs, `vdpbf16ps`, rows blocked in registers), which is ahead of
+// this widening one at every row count there; the ops and the range functions below dispatch to it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -41,6 +45,9 @@ using namespace mlsyslab;
 
 constexpr int64_t kChunk = 2 * kLanes;  // inputs of one tile row: two vectors
 constexpr int64_t kGroup = 8;           // output rows of one tile
+
+// Whether weights of dtype T take the pair kernel (pair_dot_linear.cpp) rather than this file's widening one.
+template <typename T> constexpr bool pair_dot = kPairDot && std::is_same_v<T, c10::BFloat16>;
 
 template <typename T> inline T bits_as(const void* p) { T v; std::memcpy(&v, p, sizeof v); return v; }
 
@@ -112,7 +119,7 @@ void group_outputs(const StreamedProduct<T>& p, int64_t group) {
   const T* tiles = p.tiles + group * p.chunks * kGroup * kChunk;
   const int64_t padded = p.chunks * kChunk;
   for (int64_t r = 0; r < p.rows; ++r) {
-    const float* x = p.x + r * padded;
+    const float* x = static_cast<const float*>(p.x) + r * padded;
     Floats acc[kGroup] = {};
     for (int64_t c = 0; c < p.chunks; ++c) {
       if (kPrefetchBytes<T> > 0 && r == 0) {  // later rows find the group's tiles in L1
@@ -144,13 +151,15 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& tiles, int64_t out, const 
   const int64_t groups = tiles.size(0), chunks = tiles.size(1);
   const int64_t padded = chunks * kChunk;
   TORCH_CHECK(x.stride(1) == 1, "x: rows with contiguous inputs");
-  const float* xs = x.scalar_type() == at::kFloat
-      ? x_in_tile_order<T>(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0), padded)
-      : x_in_tile_order<T>(x.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), x.stride(0), padded);
+  const auto input = [&](const auto* rows) -> const void* {
+    if constexpr (pair_dot<T>) return pair_input(rows, x.size(0), x.size(1), x.stride(0), chunks);
+    else return x_in_tile_order<T>(rows, x.size(0), x.size(1), x.stride(0), padded);
+  };
+  const void* xs = x.scalar_type() == at::kFloat ? input(x.data_ptr<float>()) : input(x.data_ptr<c10::BFloat16>());
   at::Tensor y = at::empty({x.size(0), out}, tiles.options());
   const StreamedProduct<T> p{xs, tiles.data_ptr<T>(), residual ? residual->data_ptr<T>() : nullptr, y.data_ptr<T>(),
                      x.size(0), chunks, out};
-  const int64_t grain = std::max<int64_t>(1, kBytesPerThread / (chunks * kGroup * kChunk * int64_t(sizeof(T))));
+  const int64_t grain = std::max<int64_t>(1, kBytesPerThread / (tiles.stride(0) * int64_t(sizeof(T))));
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) { streamed_groups(p, begin, end); });
   return y;
 }
@@ -160,23 +169,29 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& tiles, int64_t out, const 
 namespace mlsyslab {
 
 template <typename T>
-const float* streamed_input(const T* x, int64_t rows, int64_t in, int64_t row_stride, int64_t chunks) {
-  return x_in_tile_order<T>(x, rows, in, row_stride, chunks * kChunk);
+const void* streamed_input(const T* x, int64_t rows, int64_t in, int64_t row_stride, int64_t chunks) {
+  if constexpr (pair_dot<T>) return pair_input(x, rows, in, row_stride, chunks);
+  else return x_in_tile_order<T>(x, rows, in, row_stride, chunks * kChunk);
 }
 
 template <typename T>
 void streamed_groups(const StreamedProduct<T>& product, int64_t begin, int64_t end) {
-  for (int64_t group = begin; group < end; ++group) group_outputs(product, group);
+  if constexpr (pair_dot<T>) {
+    pair_panels(product, begin, end);
+  } else {
+    for (int64_t group = begin; group < end; ++group) group_outputs(product, group);
+  }
 }
 
-template const float* streamed_input(const float*, int64_t, int64_t, int64_t, int64_t);
-template const float* streamed_input(const c10::BFloat16*, int64_t, int64_t, int64_t, int64_t);
+template const void* streamed_input(const float*, int64_t, int64_t, int64_t, int64_t);
+template const void* streamed_input(const c10::BFloat16*, int64_t, int64_t, int64_t, int64_t);
 template void streamed_groups(const StreamedProduct<float>&, int64_t, int64_t);
 template void streamed_groups(const StreamedProduct<c10::BFloat16>&, int64_t, int64_t);
 
 at::Tensor stream_pack(const at::Tensor& weight) {
   check_float_or_bf16(weight, "weight");
   TORCH_CHECK(weight.dim() == 2, "weight: [out, in], got ", weight.sizes());
+  if (kPairDot && weight.scalar_type() == at::kBFloat16) return pair_pack(weight);
   const int64_t out = weight.size(0), in = weight.size(1);
   const int64_t groups = (out + kGroup - 1) / kGroup, chunks = (in + kChunk - 1) / kChunk;
   const at::Tensor padded = at::constant_pad_nd(weight, {0, chunks * kChunk - in, 0, groups * kGroup - out});
@@ -185,13 +200,15 @@ at::Tensor stream_pack(const at::Tensor& weight) {
 
 void check_tiles(const at::Tensor& tiles, int64_t out, int64_t in, const char* name) {
   check_float_or_bf16(tiles, name);
-  TORCH_CHECK(tiles.dim() == 4 && tiles.size(2) == kGroup && tiles.size(3) == kChunk && tiles.is_contiguous(),
-              name, ": a contiguous [groups, chunks, ", kGroup, ", ", kChunk, "] tensor from stream_pack, got ",
+  const bool pairs = kPairDot && tiles.scalar_type() == at::kBFloat16;
+  const int64_t group = pairs ? kPanel : kGroup, chunk = pairs ? 2 : kChunk;
+  TORCH_CHECK(tiles.dim() == 4 && tiles.size(2) == group && tiles.size(3) == chunk && tiles.is_contiguous(),
+              name, ": a contiguous [groups, chunks, ", group, ", ", chunk, "] tensor from stream_pack, got ",
               tiles.sizes());
-  TORCH_CHECK(out > (tiles.size(0) - 1) * kGroup && out <= tiles.size(0) * kGroup, name, ": out_features ", out,
-              " does not fit tiles of ", tiles.size(0), " groups of ", kGroup, " rows");
-  TORCH_CHECK(in > (tiles.size(1) - 1) * kChunk && in <= tiles.size(1) * kChunk, name, ": ", in, " inputs do not ",
-              "fit tiles of ", tiles.size(1), " chunks of ", kChunk);
+  TORCH_CHECK(out > (tiles.size(0) - 1) * group && out <= tiles.size(0) * group, name, ": out_features ", out,
+              " does not fit tiles of ", tiles.size(0), " groups of ", group, " rows");
+  TORCH_CHECK(in > (tiles.size(1) - 1) * chunk && in <= tiles.size(1) * chunk, name, ": ", in, " inputs do not ",
+              "fit tiles of ", tiles.size(1), " chunks of ", chunk);
 }
 
 at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t out,
@@ -212,6 +229,8 @@ at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t
 
 TORCH_LIBRARY_FRAGMENT(mlsyslab, m) {
   m.def("stream_pack(Tensor weight) -> Tensor", &mlsyslab::stream_pack);
+  // whether bf16 weights take the pair kernel (pair_dot_linear.cpp) in this build
+  m.def("streamed_pair_dot() -> bool", []() { return mlsyslab::kPairDot; });
   m.def("streamed_linear(Tensor x, Tensor tiles, int out_features, Tensor? residual=None) -> Tensor",
         &mlsyslab::streamed_linear);
 }
