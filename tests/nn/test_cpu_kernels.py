@@ -12,8 +12,10 @@ from mlsyslab.nn.paged_attention import cache_rows, decode_attention, decode_bat
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels did not build here")
 
 
-def paged_case(dtype, head_dim, heads, kv_heads, lengths, block_size=16, num_blocks=64, seed=0):
-    """A pool with random contents and each sequence's blocks scattered over it in random order."""
+def paged_case(dtype, head_dim, heads, kv_heads, lengths, block_size=16, num_blocks=64, seed=0, query_scale=1.0):
+    """A pool with random contents and each sequence's blocks scattered over it in random order; the queries (fp32)
+    hold values of the cache's dtype, as a model's do (the kernel may read them in that dtype: with AVX512_BF16,
+    bf16 pair dot products for q·k)."""
     generator = torch.Generator().manual_seed(seed)
     shape = (kv_heads, num_blocks, block_size, head_dim)
     k_cache = torch.randn(shape, generator=generator).to(dtype)
@@ -24,7 +26,7 @@ def paged_case(dtype, head_dim, heads, kv_heads, lengths, block_size=16, num_blo
         count = -(-length // block_size)
         tables.append(order[:count])
         order = order[count:]
-    query = torch.randn(len(lengths), heads, head_dim, generator=generator)
+    query = (torch.randn(len(lengths), heads, head_dim, generator=generator) * query_scale).to(dtype).float()
     return query, k_cache, v_cache, tables
 
 
@@ -48,8 +50,7 @@ def test_paged_decode_is_as_accurate_as_torch_fp32_on_peaked_softmaxes(dtype):
     below the maximum underflow): fp32 rounding of the scores themselves then moves the weights by ~1e-5,
     so the kernel is held to the fp32 PyTorch path's own distance from an fp64 reference."""
     lengths = [700, 3, 333]
-    query, k_cache, v_cache, tables = paged_case(dtype, 64, 8, 2, lengths, num_blocks=80)
-    query = query * 30
+    query, k_cache, v_cache, tables = paged_case(dtype, 64, 8, 2, lengths, num_blocks=80, query_scale=30)
     padded, mask, longest = decode_batch(tables, lengths, 16, "cpu")
     rows = cache_rows(padded, k_cache.shape)
     exact = decode_attention(query.double(), k_cache.double(), v_cache.double(), rows, mask, longest)
