@@ -84,7 +84,9 @@ void panel_rows(const uint32_t* x, int64_t pairs, const __m512bh* panel, float* 
     __m512bh w[kVectors];
     for (int v = 0; v < kVectors; ++v) w[v] = panel[p * kVectors + v];
     for (int r = 0; r < R; ++r) {
-      const __m512bh pair = __m512bh(_mm512_set1_epi32(int(x[r * pairs + p])));
+      int32_t word;  // the row's inputs 2p and 2p + 1, read as one 32-bit word
+      std::memcpy(&word, x + r * pairs + p, sizeof word);
+      const __m512bh pair = __m512bh(_mm512_set1_epi32(word));
       for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pair, w[v]);
     }
   }
