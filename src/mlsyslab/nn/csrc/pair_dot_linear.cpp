@@ -125,14 +125,4 @@ void pair_panels(const StreamedProduct<c10::BFloat16>& p, int64_t begin, int64_t
 
 }  // namespace mlsyslab
 
-#else
-
-namespace mlsyslab {
-
-void pair_panels(const StreamedProduct<c10::BFloat16>&, int64_t, int64_t) {
-  TORCH_CHECK(false, "pair_panels: built without AVX512_BF16 (kPairDot is false: callers take the widening kernel)");
-}
-
-}  // namespace mlsyslab
-
-#endif
+#endif  // __AVX512BF16__
