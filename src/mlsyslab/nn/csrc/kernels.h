@@ -60,8 +60,9 @@ constexpr bool kPairDot = true;
 constexpr bool kPairDot = false;
 #endif
 constexpr int64_t kPanel = 48;
-template <typename T>
-constexpr int64_t kGroupOutputs = kPairDot && std::is_same_v<T, c10::BFloat16> ? kPanel : 8;
+// Whether data of dtype T takes the pair instruction: bf16 where the CPU has it.
+template <typename T> constexpr bool kPairDotFor = kPairDot && std::is_same_v<T, c10::BFloat16>;
+template <typename T> constexpr int64_t kGroupOutputs = kPairDotFor<T> ? kPanel : 8;
 template <typename T>
 struct StreamedProduct {
   const void* x;      // the rows in the kernel's input layout, from streamed_input

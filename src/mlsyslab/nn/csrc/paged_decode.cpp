@@ -100,8 +100,6 @@ std::pair<int64_t, int64_t> unit_tokens(const PagedDecode<T>& problem, int64_t u
 // are bf16 — and each product is exact in fp32, so only the order of the fp32 sums differs from the widening path.
 // Two key rows at a time, for independent chains. 32 sequences of 230 tokens, SmolLM2's 9 / 3 heads, the cache in
 // L3 (Zen 4, 2026-11-25): 0.268-0.282 ms a call against 0.317-0.329 widening.
-template <typename T> constexpr bool kPairScores = std::is_same_v<T, c10::BFloat16>;
-
 template <int HeadDim>
 void pair_scores(const c10::BFloat16* keys, int n, const __m512bh* q, int64_t group, float scale, Floats* dots) {
   constexpr int V = HeadDim / 32;  // 32 bf16 a vector
@@ -130,7 +128,7 @@ void decode(const PagedDecode<T>& problem, int64_t begin, int64_t end) {
   const int64_t block_elements = block_size * HeadDim;
   std::vector<Floats> q(group * C);  // the group's query heads, scaled, each pair of vectors in pair order
 #if defined(__AVX512BF16__)
-  std::vector<__m512bh> q_bf16(group * HeadDim / 32);  // kPairScores: the group's query heads in bf16, unscaled
+  std::vector<__m512bh> q_bf16(group * HeadDim / 32);  // kPairDotFor<T>: the group's query heads in bf16, unscaled
 #endif
   std::vector<Softmax<C>> state(group);
   std::vector<Floats> dots(group * kLanes);  // per query head, each chunk token's lanes of q·k
@@ -146,7 +144,7 @@ void decode(const PagedDecode<T>& problem, int64_t begin, int64_t end) {
     for (int64_t i = 0; i < group * HeadDim; ++i)
       q_pairs[i / kPair * kPair + pair_slot<T>(i % kPair)] = q_row[i] * problem.scale;
 #if defined(__AVX512BF16__)
-    if constexpr (kPairScores<T>) {
+    if constexpr (kPairDotFor<T>) {
       auto* qb = reinterpret_cast<c10::BFloat16*>(q_bf16.data());
       for (int64_t i = 0; i < group * HeadDim; ++i) qb[i] = narrow<c10::BFloat16>(q_row[i]);
     }
@@ -172,7 +170,7 @@ void decode(const PagedDecode<T>& problem, int64_t begin, int64_t end) {
         // Each K row widened once, into registers, for every query head of the group (rows past the context
         // are zeros: the block's unused slots hold anything).
 #if defined(__AVX512BF16__)
-        if constexpr (kPairScores<T>) pair_scores<HeadDim>(keys, n, q_bf16.data(), group, problem.scale, dots.data());
+        if constexpr (kPairDotFor<T>) pair_scores<HeadDim>(keys, n, q_bf16.data(), group, problem.scale, dots.data());
         else
 #endif
         for (int t = 0; t < kLanes; ++t) {

@@ -46,9 +46,6 @@ using namespace mlsyslab;
 constexpr int64_t kChunk = 2 * kLanes;  // inputs of one tile row: two vectors
 constexpr int64_t kGroup = 8;           // output rows of one tile
 
-// Whether weights of dtype T take the pair kernel (pair_dot_linear.cpp) rather than this file's widening one.
-template <typename T> constexpr bool pair_dot = kPairDot && std::is_same_v<T, c10::BFloat16>;
-
 template <typename T> inline T bits_as(const void* p) { T v; std::memcpy(&v, p, sizeof v); return v; }
 
 // x rows as fp32, zero-padded to `padded` inputs, each chunk in the order `load_pair` returns the weights
@@ -152,7 +149,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& tiles, int64_t out, const 
   const int64_t padded = chunks * kChunk;
   TORCH_CHECK(x.stride(1) == 1, "x: rows with contiguous inputs");
   const auto input = [&](const auto* rows) -> const void* {
-    if constexpr (pair_dot<T>) return pair_input(rows, x.size(0), x.size(1), x.stride(0), chunks);
+    if constexpr (kPairDotFor<T>) return pair_input(rows, x.size(0), x.size(1), x.stride(0), chunks);
     else return x_in_tile_order<T>(rows, x.size(0), x.size(1), x.stride(0), padded);
   };
   const void* xs = x.scalar_type() == at::kFloat ? input(x.data_ptr<float>()) : input(x.data_ptr<c10::BFloat16>());
@@ -170,13 +167,13 @@ namespace mlsyslab {
 
 template <typename T>
 const void* streamed_input(const T* x, int64_t rows, int64_t in, int64_t row_stride, int64_t chunks) {
-  if constexpr (pair_dot<T>) return pair_input(x, rows, in, row_stride, chunks);
+  if constexpr (kPairDotFor<T>) return pair_input(x, rows, in, row_stride, chunks);
   else return x_in_tile_order<T>(x, rows, in, row_stride, chunks * kChunk);
 }
 
 template <typename T>
 void streamed_groups(const StreamedProduct<T>& product, int64_t begin, int64_t end) {
-  if constexpr (pair_dot<T>) {
+  if constexpr (kPairDotFor<T>) {
     pair_panels(product, begin, end);
   } else {
     for (int64_t group = begin; group < end; ++group) group_outputs(product, group);
