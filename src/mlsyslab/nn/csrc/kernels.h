@@ -62,6 +62,7 @@ constexpr bool kPairDot = false;
 constexpr int64_t kPanel = 48;
 // Whether data of dtype T takes the pair instruction: bf16 where the CPU has it.
 template <typename T> constexpr bool kPairDotFor = kPairDot && std::is_same_v<T, c10::BFloat16>;
+inline bool pair_dot_for(at::ScalarType dtype) { return kPairDot && dtype == at::kBFloat16; }  // the same, at run time
 template <typename T> constexpr int64_t kGroupOutputs = kPairDotFor<T> ? kPanel : 8;
 template <typename T>
 struct StreamedProduct {

@@ -140,9 +140,11 @@ void decode(const PagedDecode<T>& problem, int64_t begin, int64_t end) {
     const int64_t head_offset = h * problem.num_blocks;  // head h's copy of block b: (h · num_blocks + b)
     const float* q_row =
         problem.query + (unit % 2) * problem.part_query_offset + (s * problem.heads + h * group) * HeadDim;
-    float* q_pairs = reinterpret_cast<float*>(q.data());
-    for (int64_t i = 0; i < group * HeadDim; ++i)
-      q_pairs[i / kPair * kPair + pair_slot<T>(i % kPair)] = q_row[i] * problem.scale;
+    if constexpr (!kPairDotFor<T>) {  // the widening path's scaled queries (the pair path's are below)
+      float* q_pairs = reinterpret_cast<float*>(q.data());
+      for (int64_t i = 0; i < group * HeadDim; ++i)
+        q_pairs[i / kPair * kPair + pair_slot<T>(i % kPair)] = q_row[i] * problem.scale;
+    }
 #if defined(__AVX512BF16__)
     if constexpr (kPairDotFor<T>) {
       auto* qb = reinterpret_cast<c10::BFloat16*>(q_bf16.data());

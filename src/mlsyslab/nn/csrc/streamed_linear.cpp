@@ -188,7 +188,7 @@ template void streamed_groups(const StreamedProduct<c10::BFloat16>&, int64_t, in
 at::Tensor stream_pack(const at::Tensor& weight) {
   check_float_or_bf16(weight, "weight");
   TORCH_CHECK(weight.dim() == 2, "weight: [out, in], got ", weight.sizes());
-  if (kPairDot && weight.scalar_type() == at::kBFloat16) return pair_pack(weight);
+  if (pair_dot_for(weight.scalar_type())) return pair_pack(weight);
   const int64_t out = weight.size(0), in = weight.size(1);
   const int64_t groups = (out + kGroup - 1) / kGroup, chunks = (in + kChunk - 1) / kChunk;
   const at::Tensor padded = at::constant_pad_nd(weight, {0, chunks * kChunk - in, 0, groups * kGroup - out});
@@ -197,7 +197,7 @@ at::Tensor stream_pack(const at::Tensor& weight) {
 
 void check_tiles(const at::Tensor& tiles, int64_t out, int64_t in, const char* name) {
   check_float_or_bf16(tiles, name);
-  const bool pairs = kPairDot && tiles.scalar_type() == at::kBFloat16;
+  const bool pairs = pair_dot_for(tiles.scalar_type());
   const int64_t group = pairs ? kPanel : kGroup, chunk = pairs ? 2 : kChunk;
   TORCH_CHECK(tiles.dim() == 4 && tiles.size(2) == group && tiles.size(3) == chunk && tiles.is_contiguous(),
               name, ": a contiguous [groups, chunks, ", group, ", ", chunk, "] tensor from stream_pack, got ",
