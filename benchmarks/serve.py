@@ -23,14 +23,16 @@ requests in flight (closed loop, 2 x in-flight requests, at least 4):
 In this process, no HTTP, all cores, static batch of equal-length prompts: ours (`LLM.generate`)
 and HF transformers `generate`, batch 1 and 16, fp32 and bf16.
 Decode roofline at batch 1: weight bytes / this machine's read bandwidth (a sum over 512 MB, best
-of 5, in 4 kB pages and on transparent huge pages, the faster; since 2026-11-24 22:55 UTC, before in
-4 kB pages only) — one pass over the weights per token. The bandwidth is measured at the start and again just
-before and just after each of our batch-1 loads (the server idle; in process too; the reading after since
-2026-11-25 00:26 UTC), and the highest reading taken: this machine's bandwidth drifts between 23 and 43 GB/s
-over minutes (the AVX2 host), or jumps between ~35 and ~60-65 GB/s every few seconds to minutes (the Zen 4
-host, 2026-11-25), and a low reading flatters the fraction (102% at 08:50 UTC on 2026-11-24, from a start-up
-reading of 23.4 GB/s; 101% in a run at 00:23 UTC on 2026-11-25, from readings taken only before the
-load). A missing peer venv is skipped with the command that creates it. Every row records the CPU share
+of 5, in 4 kB pages and on transparent huge pages, the faster) — one pass over the weights per token. This
+machine's bandwidth drifts between 23 and 43 GB/s over minutes (the AVX2 host), or jumps between ~35 and
+~60-67 GB/s every few seconds to minutes (the Zen 4 host, 2026-11-25), so one reading for a whole load
+flattered or belittled the fraction whenever the load ran in the other phase (102% and 120% from a slow
+reading, 49% from a fast one). Since 2026-11-25 07:00 UTC our batch-1 loads (HTTP and in process) run as
+one request at a time with a reading before each and after the last (the engine idle), and each request is
+held against the higher of the two readings around it: the row's fraction is the median over the requests
+whose two readings agree within 15% (`ONE_PHASE`: the host did not change phase around it), and every
+request's numbers are kept in the row. (Before: a reading at the start and around the load, the highest
+taken.) A missing peer venv is skipped with the command that creates it. Every row records the CPU share
 other processes took: while it ran (in process), or in the second before its load started (HTTP rows, when
 the server under test sat idle).
 """
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -48,6 +51,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+import numpy as np
 import torch
 from record import ROOT, OtherProcesses, machine, save  # benchmarks/record.py
 
@@ -134,17 +138,16 @@ def main() -> None:
                 out["skipped"][server.label] = f"no venv; create it with: {server.install}"
                 print(f"{server.label}: skipped (create it with: {server.install})", file=sys.stderr)
                 continue
-            out["rows"] += [{**row, "round": round_} for row in load_test(server, args, out["read_bandwidth_bytes_per_s"], twins)]
+            out["rows"] += [{**row, "round": round_} for row in load_test(server, args, twins)]
     if not args.skip_in_process:
         for dtype in args.dtypes:
             for batch in (1, 16):
-                roofline = (twins[dtype]["weight_bytes"], out["read_bandwidth_bytes_per_s"]) if batch == 1 else None
-                out["rows"].append(ours_in_process(dtype, batch, args, roofline))
+                out["rows"].append(ours_in_process(dtype, batch, args, twins[dtype]["weight_bytes"] if batch == 1 else None))
                 out["rows"].append(hf_generate(dtype, batch, args))
     save(out, args.output, print_table)
 
 
-def load_test(server: Server, args, bandwidth: float, twins: dict) -> list[dict]:
+def load_test(server: Server, args, twins: dict) -> list[dict]:
     """Start `server`, run each load against it, stop it; one row per load."""
     rows = []
     as_text = Tokenizer(resolve_folder("default")).decode if server.text_prompts else None
@@ -153,22 +156,22 @@ def load_test(server: Server, args, bandwidth: float, twins: dict) -> list[dict]
         for load in server.loads or args.loads:
             if server.loads and load not in args.loads:
                 continue
-            if dtype is not None and load == 1:  # again, the server idle: the highest reading is the denominator
-                bandwidth = max(bandwidth, read_bandwidth())
-            report = run_benchmark(url, "default", Workload(requests=max(4, 2 * load), concurrency=load,
-                                                            prompt_tokens=args.prompt_tokens,
-                                                            output_tokens=args.output_tokens, seed=load),
-                                    as_text=as_text).to_dict()
-            if dtype is not None and load == 1:  # and after: the host may have sped up during the load
-                bandwidth = max(bandwidth, read_bandwidth())
+            workload = Workload(requests=max(4, 2 * load), concurrency=load, prompt_tokens=args.prompt_tokens,
+                                output_tokens=args.output_tokens, seed=load)
+            if dtype is not None and load == 1:  # a request at a time, each between two readings (module docstring)
+                reports, roofline = phase_paired(
+                    twins[dtype]["weight_bytes"], workload.requests,
+                    lambda i: run_benchmark(url, "default", dataclasses.replace(workload, requests=1, seed=100 + i),
+                                            as_text=as_text).to_dict())
+                report = merged(reports)
+            else:
+                report, roofline = run_benchmark(url, "default", workload, as_text=as_text).to_dict(), {}
             row = {"system": server.label, "where": "HTTP", "concurrency": load, "startup_s": startup_s,
                    **{k: report[k] for k in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
                                              "tpot_p99_s", "completed", "failed", "errors")},
-                   "other_processes_cpu_share": report["busy_cores_before"] / report["cores"]}
+                   "other_processes_cpu_share": report["busy_cores_before"] / report["cores"], **roofline}
             if dtype is not None:
                 row["predicted_tpot_s"] = twins[dtype]["tpot_s"][load]
-                if load == 1:
-                    row |= roofline_fields(twins[dtype]["weight_bytes"], bandwidth, report["tpot_p50_s"])
             rows.append(row)
             print(json.dumps({k: row[k] for k in ("system", "concurrency", "output_tokens_per_s")}), file=sys.stderr)
     return rows
@@ -224,30 +227,30 @@ def twin_of(dtype: str, args) -> dict:
     return {"weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()), "tpot_s": tpot}
 
 
-def ours_in_process(dtype: str, batch: int, args, roofline: tuple[float, float] | None = None) -> dict:
+def ours_in_process(dtype: str, batch: int, args, weight_bytes: float | None = None) -> dict:
     """Our engine in this process on HF's terms: `batch` prompts at once, greedy, EOS off, all cores. Given
-    `roofline` (weight bytes, a read bandwidth), also the decode's fraction of it, the bandwidth measured
-    again just before and just after (the highest reading kept), as for the batch-1 HTTP loads: the engine
-    without a client and an API server on its cores."""
+    `weight_bytes` (batch 1), also the decode's fraction of the roofline: four runs of the prompt, each between two
+    bandwidth readings (`phase_paired`), as for the batch-1 HTTP loads: the engine without a client and an API
+    server on its cores."""
     torch.set_num_threads(os.cpu_count() or 1)
     model, tokenizer, _ = load_pretrained("default", dtype)
     prompts = [ids for ids, _ in Workload(requests=batch, prompt_tokens=args.prompt_tokens, seed=batch).prompts()]
-    llm = LLM(model, tokenizer, config=EngineConfig(max_batched_tokens=4096))
+    # no prefix cache: each of the batch-1 runs prefills its prompt again, as HF's generate does
+    llm = LLM(model, tokenizer, config=EngineConfig(max_batched_tokens=4096, prefix_cache=False))
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
-    bandwidth = max(roofline[1], read_bandwidth()) if roofline else None
+
+    def run(_: int) -> dict:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True))
+        return {"elapsed_s": time.perf_counter() - start,
+                "tpot_p50_s": max(o.latency_s - o.ttft_s for o in outputs) / (args.output_tokens - 1)}
+
     others = OtherProcesses()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True))
-    elapsed = time.perf_counter() - start
-    tpot = max(o.latency_s - o.ttft_s for o in outputs) / (args.output_tokens - 1)
-    if roofline:
-        bandwidth = max(bandwidth, read_bandwidth())
-    row = {"system": f"ours {dtype}", "where": "in process", "concurrency": batch,
-           "output_tokens_per_s": batch * args.output_tokens / elapsed, "tpot_p50_s": tpot,
-           "other_processes_cpu_share": others.share()}
-    if roofline:
-        row |= roofline_fields(roofline[0], bandwidth, tpot)
-    return row
+    runs, roofline = phase_paired(weight_bytes, 4, run) if weight_bytes else ([run(0)], {})
+    return {"system": f"ours {dtype}", "where": "in process", "concurrency": batch,
+            "output_tokens_per_s": len(runs) * batch * args.output_tokens / sum(r["elapsed_s"] for r in runs),
+            "tpot_p50_s": float(np.median([r["tpot_p50_s"] for r in runs])),
+            "other_processes_cpu_share": others.share(), **roofline}
 
 
 def hf_generate(dtype: str, batch: int, args) -> dict:
@@ -269,9 +272,44 @@ def hf_generate(dtype: str, batch: int, args) -> dict:
             "output_tokens_per_s": batch * args.output_tokens / elapsed, "other_processes_cpu_share": others.share()}
 
 
-def roofline_fields(weight_bytes: float, bandwidth: float, tpot_s: float) -> dict:
-    """A batch-1 row's fraction of the decode roofline (one pass over the weights per token) and its bandwidth."""
-    return {"decode_roofline_fraction": weight_bytes / bandwidth / tpot_s, "read_bandwidth_bytes_per_s": bandwidth}
+ONE_PHASE = 1.15  # the two readings around a batch-1 run agree within this ratio: the host kept its phase
+
+
+def phase_paired(weight_bytes: float, count: int, run) -> tuple[list[dict], dict]:
+    """`count` runs of `run(i)` (each a dict with its "tpot_p50_s"), with the read bandwidth measured before each
+    and after the last; each run held against the higher reading around it. -> (the runs' dicts, the row's
+    roofline fields: the median fraction over the runs whose readings agree within ONE_PHASE (None if none did),
+    the bandwidth it is held against, and every run's TPOT, readings and fraction)."""
+    readings, runs = [read_bandwidth()], []
+    for i in range(count):
+        runs.append(run(i))
+        readings.append(read_bandwidth())
+    pairs = [{"tpot_s": r["tpot_p50_s"], "bandwidth_before": before, "bandwidth_after": after,
+              "fraction": weight_bytes / max(before, after) / r["tpot_p50_s"],
+              "one_phase": max(before, after) / min(before, after) <= ONE_PHASE}
+             for r, before, after in zip(runs, readings, readings[1:])]
+    kept = [p for p in pairs if p["one_phase"] and np.isfinite(p["fraction"])]  # a failed request has no TPOT
+    return runs, {"decode_roofline_fraction": float(np.median([p["fraction"] for p in kept])) if kept else None,
+                  "read_bandwidth_bytes_per_s": float(np.median([max(p["bandwidth_before"], p["bandwidth_after"])
+                                                                 for p in kept])) if kept else None,
+                  "decode_roofline_runs": pairs}
+
+
+def merged(reports: list[dict]) -> dict:
+    """One load's report from the reports of its requests run one at a time (`run_benchmark`'s fields)."""
+    good = [r for r in reports if r["completed"]]
+
+    def over(key: str, q: float) -> float:
+        values = [r[key] for r in good if r[key] == r[key]]  # not NaN
+        return float(np.percentile(values, q)) if values else float("nan")
+
+    return {"output_tokens_per_s": sum(r["output_tokens_per_s"] * r["duration_s"] for r in reports)
+            / sum(r["duration_s"] for r in reports),
+            "ttft_p50_s": over("ttft_p50_s", 50), "ttft_p99_s": over("ttft_p99_s", 99),
+            "tpot_p50_s": over("tpot_p50_s", 50), "tpot_p99_s": over("tpot_p99_s", 99),
+            "completed": sum(r["completed"] for r in reports), "failed": sum(r["failed"] for r in reports),
+            "errors": sorted({e for r in reports for e in r["errors"]}), "busy_cores_before": reports[0]["busy_cores_before"],
+            "cores": reports[0]["cores"]}
 
 
 def read_bandwidth() -> float:
@@ -296,7 +334,9 @@ def print_table(out: dict) -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     ms = lambda s: f"{1000 * s:.1f} ms" if s else "—"  # noqa: E731
     for r in out["rows"]:
-        roof = f"{100 * r['decode_roofline_fraction']:.0f}%" if r.get("decode_roofline_fraction") else "—"
+        runs = r.get("decode_roofline_runs", [])
+        roof = (f"{100 * r['decode_roofline_fraction']:.0f}% ({sum(p['one_phase'] for p in runs)}/{len(runs)} one-phase)"
+                if r.get("decode_roofline_fraction") else "—" if not runs else f"— (0/{len(runs)} one-phase)")
         startup = f"{r['startup_s']:.1f} s" if r.get("startup_s") else "—"
         print(f"| {r['system']} | {r['where']} | {r['concurrency']} | {r['output_tokens_per_s']:.1f} | "
               f"{ms(r.get('ttft_p50_s'))} | {ms(r.get('tpot_p50_s'))} | {ms(r.get('predicted_tpot_s'))} | {roof} | "
