@@ -28,7 +28,7 @@
 // (`weighted_values`): with the chunk's rows widened once into an array of kLanes · C vectors (more than the
 // registers, so spilled) a call over 32 sequences of 230 tokens with SmolLM2's 9 / 3 heads, the cache in L3, took
 // 0.27-0.31 ms in bf16 and 0.27-0.28 in fp32 on Zen 4, a head at a time 0.23-0.26 and 0.22-0.25 (2026-11-25; not
-// measured on AVX2).
+// measured on AVX2); four at a time: `weighted_values`.
 // Built at first use by `mlsyslab.nn.cpu_kernels`; tested against `nn.paged_attention.decode_attention`.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
