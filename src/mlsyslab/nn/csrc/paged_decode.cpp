@@ -99,21 +99,29 @@ struct Chunk {
   int64_t offset, rows;
 };
 
-// Every chunk units [begin, end) walk, in walk order: a walk across the scattered blocks of the units' contexts,
-// so that each chunk can ask for the next one's rows while it is read, across block and unit boundaries.
+// Every chunk units [begin, end) walk, in walk order, and where each unit's chunks end: a walk across the scattered
+// blocks of the units' contexts, so that each chunk can ask for the next one's rows while it is read, across block
+// and unit boundaries. The one place a unit's K/V rows are located in the pool.
+struct Walk {
+  std::vector<Chunk> chunks;
+  std::vector<int64_t> unit_ends;  // unit begin + i's chunks end at chunks[unit_ends[i]]
+};
+
 template <typename T>
-std::vector<Chunk> walk_order(const PagedDecode<T>& problem, int64_t begin, int64_t end) {
-  std::vector<Chunk> walk;
+Walk walk_order(const PagedDecode<T>& problem, int64_t begin, int64_t end) {
+  Walk walk;
   for (int64_t unit = begin; unit < end; ++unit) {
     const int64_t s = unit / 2 / problem.kv_heads, h = unit / 2 % problem.kv_heads;
     const auto [first, last] = unit_tokens(problem, unit);
     for (int64_t start = first; start < last; start += problem.block_size) {
+      // head h's copy of block b: (h · num_blocks + b)
       const int64_t block = h * problem.num_blocks + problem.tables[s * problem.width + start / problem.block_size];
       const int64_t in_block = std::min(problem.block_size, last - start);
       for (int64_t chunk = 0; chunk < in_block; chunk += kLanes)
-        walk.push_back({(block * problem.block_size + chunk) * problem.head_dim,
-                        std::min<int64_t>(kLanes, in_block - chunk)});
+        walk.chunks.push_back({(block * problem.block_size + chunk) * problem.head_dim,
+                               std::min<int64_t>(kLanes, in_block - chunk)});
     }
+    walk.unit_ends.push_back(int64_t(walk.chunks.size()));
   }
   return walk;
 }
@@ -188,9 +196,8 @@ void decode(const PagedDecode<T>& problem, int64_t begin, int64_t end) {
   constexpr int C = HeadDim / kLanes, kPair = 2 * kLanes;  // a K/V row: C vectors, C / 2 pairs (`load_pair`)
   const T* k_cache = problem.k_cache;
   const T* v_cache = problem.v_cache;
-  const int64_t group = problem.heads / problem.kv_heads, block_size = problem.block_size;
-  const int64_t block_elements = block_size * HeadDim;
-  std::vector<Floats> q(group * C);  // the group's query heads, scaled, each pair of vectors in pair order
+  const int64_t group = problem.heads / problem.kv_heads;
+  std::vector<Floats> q(kPairDotFor<T> ? 0 : group * C);  // the widening path's query heads, scaled, in pair order
 #if defined(__AVX512BF16__)
   std::vector<__m512bh> q_bf16(group * HeadDim / 32);  // kPairDotFor<T>: the group's query heads in bf16, unscaled
 #endif
@@ -200,20 +207,18 @@ void decode(const PagedDecode<T>& problem, int64_t begin, int64_t end) {
   // the pool, 32 sequences of 256 tokens in bf16, every layer's cache cold, read 8.6-10.2 GB/s; this way 9.5-14.5.
   // In the engine, these prefetches off and on in one process, alternating, Zen 4, 2026-11-25: bf16 steps of 32
   // decodes 38.4 -> 34.8 ms, median of 5, faster in each round; of 16, 4 rounds of 5 faster, medians 19.7 both.)
-  const std::vector<Chunk> walk = walk_order(problem, begin, end);
-  int64_t walked = 0;
-  if (!walk.empty()) {
-    prefetch(k_cache + walk[0].offset, walk[0].rows * HeadDim);
-    prefetch(v_cache + walk[0].offset, walk[0].rows * HeadDim);
+  const Walk walk = walk_order(problem, begin, end);
+  const std::vector<Chunk>& chunks = walk.chunks;
+  if (!chunks.empty()) {
+    prefetch(k_cache + chunks[0].offset, chunks[0].rows * HeadDim);
+    prefetch(v_cache + chunks[0].offset, chunks[0].rows * HeadDim);
   }
   std::vector<Softmax<C>> state(group);
   std::vector<Floats> dots(group * kLanes);  // per query head, each chunk token's lanes of q·k
   std::vector<Floats> weights(group);  // one chunk's e^(score - maximum), per query head
+  int64_t walked = 0;
   for (int64_t unit = begin; unit < end; ++unit) {
     const int64_t item = unit / 2, s = item / problem.kv_heads, h = item % problem.kv_heads;
-    const auto [first, last] = unit_tokens(problem, unit);
-    const int64_t* table = problem.tables + s * problem.width;
-    const int64_t head_offset = h * problem.num_blocks;  // head h's copy of block b: (h · num_blocks + b)
     const float* q_row =
         problem.query + (unit % 2) * problem.part_query_offset + (s * problem.heads + h * group) * HeadDim;
     if constexpr (!kPairDotFor<T>) {  // the widening path's scaled queries (the pair path's are below)
@@ -228,57 +233,53 @@ void decode(const PagedDecode<T>& problem, int64_t begin, int64_t end) {
     }
 #endif
     std::fill(state.begin(), state.end(), Softmax<C>{});
-    for (int64_t start = first; start < last; start += block_size) {
-      const int64_t offset = (head_offset + table[start / block_size]) * block_elements;
-      const int64_t in_block = std::min(block_size, last - start);
-      for (int64_t chunk = 0; chunk < in_block; chunk += kLanes, ++walked) {
-        const int n = int(std::min<int64_t>(kLanes, in_block - chunk));
-        const T* keys = k_cache + offset + chunk * HeadDim;
-        const T* values = v_cache + offset + chunk * HeadDim;
-        const Chunk* next = walked + 1 < int64_t(walk.size()) ? &walk[walked + 1] : nullptr;
-        const auto in_context = kLaneIndex < Ints{} + n;
-        // Each K row widened once, into registers, for every query head of the group (rows past the context
-        // are zeros: the block's unused slots hold anything).
+    for (; walked < walk.unit_ends[unit - begin]; ++walked) {
+      const int n = int(chunks[walked].rows);
+      const T* keys = k_cache + chunks[walked].offset;
+      const T* values = v_cache + chunks[walked].offset;
+      const Chunk* next = walked + 1 < int64_t(chunks.size()) ? &chunks[walked + 1] : nullptr;
+      const auto in_context = kLaneIndex < Ints{} + n;
+      // Each K row widened once, into registers, for every query head of the group (rows past the context
+      // are zeros: the block's unused slots hold anything).
 #if defined(__AVX512BF16__)
-        if constexpr (kPairDotFor<T>) pair_scores<HeadDim>(keys, n, q_bf16.data(), group, problem.scale, dots.data(),
-                                                           k_cache, next);
-        else
+      if constexpr (kPairDotFor<T>) pair_scores<HeadDim>(keys, n, q_bf16.data(), group, problem.scale, dots.data(),
+                                                         k_cache, next);
+      else
 #endif
-        for (int t = 0; t < kLanes; ++t) {
-          prefetch_row<HeadDim>(k_cache, next, t);
-          Floats k[C];
-          for (int c = 0; c < C; c += 2) {
-            if (t < n) load_pair(keys + t * HeadDim + c * kLanes, k[c], k[c + 1]);
-            else k[c] = k[c + 1] = Floats{};
-          }
-          for (int64_t g = 0; g < group; ++g) {
-            Floats dot = k[0] * q[g * C];
-            for (int c = 1; c < C; ++c) dot = fused_multiply_add(k[c], q[g * C + c], dot);
-            dots[g * kLanes + t] = dot;
-          }
+      for (int t = 0; t < kLanes; ++t) {
+        prefetch_row<HeadDim>(k_cache, next, t);
+        Floats k[C];
+        for (int c = 0; c < C; c += 2) {
+          if (t < n) load_pair(keys + t * HeadDim + c * kLanes, k[c], k[c + 1]);
+          else k[c] = k[c + 1] = Floats{};
         }
         for (int64_t g = 0; g < group; ++g) {
-          const Floats scores =
-              in_context ? transpose_sum(&dots[g * kLanes]) : broadcast(-std::numeric_limits<float>::max());
-          Softmax<C>& run = state[g];
-          const float top = std::max(run.top, max(scores));
-          if (top > run.top) {  // a new maximum: rescale what is summed so far (past the first chunks, rare)
-            const float rescale = std::exp(run.top - top);
-            run.total *= rescale;
-            for (int c = 0; c < C; ++c) run.acc[c] *= rescale;
-            run.top = top;
-          }
-          weights[g] = in_context ? exp(scores - top) : Floats{};
-          run.total += sum(weights[g]);
+          Floats dot = k[0] * q[g * C];
+          for (int c = 1; c < C; ++c) dot = fused_multiply_add(k[c], q[g * C + c], dot);
+          dots[g * kLanes + t] = dot;
         }
-        for (int64_t g = 0; g < group; g += kHeadsAtOnce) {
-          const Chunk* ask = g == 0 ? next : nullptr;  // the next chunk's V rows, once
-          switch (std::min<int64_t>(kHeadsAtOnce, group - g)) {
-            case 4: weighted_values<4, HeadDim>(values, n, &weights[g], &state[g], v_cache, ask); break;
-            case 3: weighted_values<3, HeadDim>(values, n, &weights[g], &state[g], v_cache, ask); break;
-            case 2: weighted_values<2, HeadDim>(values, n, &weights[g], &state[g], v_cache, ask); break;
-            default: weighted_values<1, HeadDim>(values, n, &weights[g], &state[g], v_cache, ask);
-          }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const Floats scores =
+            in_context ? transpose_sum(&dots[g * kLanes]) : broadcast(-std::numeric_limits<float>::max());
+        Softmax<C>& run = state[g];
+        const float top = std::max(run.top, max(scores));
+        if (top > run.top) {  // a new maximum: rescale what is summed so far (past the first chunks, rare)
+          const float rescale = std::exp(run.top - top);
+          run.total *= rescale;
+          for (int c = 0; c < C; ++c) run.acc[c] *= rescale;
+          run.top = top;
+        }
+        weights[g] = in_context ? exp(scores - top) : Floats{};
+        run.total += sum(weights[g]);
+      }
+      for (int64_t g = 0; g < group; g += kHeadsAtOnce) {
+        const Chunk* ask = g == 0 ? next : nullptr;  // the next chunk's V rows, once
+        switch (std::min<int64_t>(kHeadsAtOnce, group - g)) {
+          case 4: weighted_values<4, HeadDim>(values, n, &weights[g], &state[g], v_cache, ask); break;
+          case 3: weighted_values<3, HeadDim>(values, n, &weights[g], &state[g], v_cache, ask); break;
+          case 2: weighted_values<2, HeadDim>(values, n, &weights[g], &state[g], v_cache, ask); break;
+          default: weighted_values<1, HeadDim>(values, n, &weights[g], &state[g], v_cache, ask);
         }
       }
     }
@@ -343,17 +344,13 @@ __attribute__((noinline)) void merge_parts(const float* partial, int64_t item, i
 
 template <typename T>
 void prefetch_units(const PagedDecode<T>& problem, int64_t begin, int64_t end, int64_t max_bytes) {
-  const int64_t block_elements = problem.block_size * problem.head_dim;
   int64_t asked = 0;
-  for (int64_t unit = begin; unit < end; ++unit) {
-    const int64_t s = unit / 2 / problem.kv_heads, h = unit / 2 % problem.kv_heads;
-    const auto [first, last] = unit_tokens(problem, unit);
-    for (int64_t b = first / problem.block_size; b * problem.block_size < last && asked < max_bytes;
-         ++b, asked += 2 * block_elements * int64_t(sizeof(T))) {
-      const int64_t at = (h * problem.num_blocks + problem.tables[s * problem.width + b]) * block_elements;
-      prefetch(problem.k_cache + at, block_elements);
-      prefetch(problem.v_cache + at, block_elements);
-    }
+  for (const Chunk& chunk : walk_order(problem, begin, end).chunks) {
+    if (asked >= max_bytes) break;
+    const int64_t elements = chunk.rows * problem.head_dim;
+    prefetch(problem.k_cache + chunk.offset, elements);
+    prefetch(problem.v_cache + chunk.offset, elements);
+    asked += 2 * elements * int64_t(sizeof(T));
   }
 }
 template void prefetch_units(const PagedDecode<float>&, int64_t, int64_t, int64_t);
