@@ -169,7 +169,7 @@ def test_streamed_linear_refuses_what_it_does_not_compute():
         ops.stream_pack(torch.randn(4, 8).double())
     with pytest.raises(RuntimeError, match="tiles: a contiguous"):
         ops.streamed_linear(x, torch.randn(4, 8).bfloat16(), 4)
-    group = tiles.shape[2]  # outputs a tile holds: 8, or 48 where bf16 takes the pair kernel
+    group = tiles.shape[2]  # outputs a tile holds: 8, or 48 where bf16 takes the panel kernel
     with pytest.raises(RuntimeError, match=f"tiles: out_features {group + 1} does not fit"):
         ops.streamed_linear(x, tiles, group + 1)
     with pytest.raises(RuntimeError, match=f"tiles: 70 inputs do not fit tiles of {tiles.shape[1]} chunks"):

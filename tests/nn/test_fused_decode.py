@@ -50,12 +50,13 @@ def decode_case(dtype, context_lens, block_size=16, num_blocks=32, ahead=0):
 def plan(request, monkeypatch):
     """The kernel plan of this CPU, and the one of CPUs where oneDNN cannot pack bf16 (steps under
     `streamed_below(dtype)` rows take the streamed kernel in both, so the step is one `streamed_decode`: every
-    row count for bf16 on the pair kernel, else 4 rows where oneDNN packs bf16, 16 where it cannot); with
+    row count for bf16 on the pair kernel, 96 for fp32 on the panel kernel, else 4 rows where oneDNN packs bf16, 16
+    where it cannot); with
     ffn_hidden 140 an output group of gate|up holds both gate and up rows (each thread computes the gate and
     up rows of its own columns)."""
     if request.param.startswith("AVX2 plan"):
         monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: False)
-        monkeypatch.setattr(cpu_kernels, "pair_dot", lambda: False)
+        monkeypatch.setattr(cpu_kernels, "panels", lambda dtype: False)
     if request.param.endswith("ffn_hidden 140"):
         monkeypatch.setitem(globals(), "CONFIG", dataclasses.replace(CONFIG, ffn_hidden=140))
     return request.param
@@ -122,8 +123,9 @@ def test_streamed_decode_refuses_inputs_that_do_not_fit():
     with pytest.raises(RuntimeError, match=r"positions\[0\]\[0\] = 256: outside the rope tables' 256 positions"):
         fused(ids, torch.tensor([256, 2]), PagedAttention(k_cache, v_cache, slices), torch.arange(2))
     plan = fused.plan(2)
-    plan.weights[5] = plan.weights[4]  # layer 1's o_proj given its q|k|v tiles
-    with pytest.raises(RuntimeError, match="tiles: out_features 64 does not fit tiles of 32 groups"):
+    qkv = plan.weights[5] = plan.weights[4]  # layer 1's o_proj given its q|k|v tiles (groups of 8, or 48 in panels)
+    expected = f"tiles: out_features 64 does not fit tiles of {len(qkv)} groups of {qkv.shape[2]} rows"
+    with pytest.raises(RuntimeError, match=expected):
         fused(ids, positions, PagedAttention(k_cache, v_cache, slices), torch.arange(2))
 
 

@@ -8,8 +8,8 @@
 - `decode_layers` (csrc/decode_layers.cpp): a decode step through every decoder layer in one call, the
   kernels above and the serving copy's matmuls in C++ order; used by `nn.fused_decode`.
 - `stream_pack`, `streamed_linear` (csrc/streamed_linear.cpp): the matrix-vector product of small
-  decode steps, on a tiled copy of the weight (`nn.packed_linear`); for bf16 where the CPU has AVX512_BF16,
-  the register-blocked pair-instruction GEMM of csrc/pair_dot_linear.cpp, at every row count (`pair_dot`).
+  decode steps, on a tiled copy of the weight (`nn.packed_linear`); for fp32 where the CPU has AVX-512 and bf16
+  where it has AVX512_BF16, the register-blocked GEMM of csrc/panel_linear.cpp, at every row count (`panels`).
 - `streamed_decode` (csrc/streamed_decode.cpp): a whole decode step, logits included, in one parallel
   region, when every matrix takes the streamed kernel; used by `nn.fused_decode`.
 - `softmax_draw` (csrc/softmax_draw.cpp): one token per row from softmax(logits / T) by inverse CDF;
@@ -68,10 +68,10 @@ def cpu_has_bf16_dot() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_description()[1])
 
 
-def pair_dot() -> bool:
-    """Whether the streamed kernel multiplies bf16 weights with AVX512_BF16's pair instruction in this build
-    (csrc/pair_dot_linear.cpp; False where the kernels do not build)."""
-    return load() is not None and load().streamed_pair_dot()
+def panels(dtype: torch.dtype) -> bool:
+    """Whether the streamed kernel is the panel kernel for weights of `dtype` in this build (csrc/panel_linear.cpp:
+    fp32 with AVX-512, bf16 with AVX512_BF16's pair instruction; False where the kernels do not build)."""
+    return load() is not None and load().streamed_panels(dtype)
 
 
 def cpu_fingerprint() -> str:

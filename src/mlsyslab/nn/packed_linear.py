@@ -9,7 +9,8 @@ Three kernels compute x Wᵀ (`Kernel`):
 - PLAIN: `F.linear` on the plain weight (MKL's GEMV / GEMM, or oneDNN's AMX GEMM for bf16);
 - STREAMED: our matrix-vector kernel (`nn/csrc/streamed_linear.cpp`) on a tiled copy of the weight
   that it reads as one sequential stream per thread; for bf16 on CPUs with AVX512_BF16, a register-blocked
-  GEMM on the pair instruction (`nn/csrc/pair_dot_linear.cpp`, `cpu_kernels.pair_dot`).
+  GEMM over panels of 48 outputs (`nn/csrc/panel_linear.cpp`, `cpu_kernels.panels`) for fp32 on CPUs with
+  AVX-512 and for bf16 on CPUs with AVX512_BF16 (its pair instruction).
 Which is fastest depends on the dtype, the CPU and the row count (tokens in the step); measured (2
 cores, 30 layers of SmolLM2-135M's matrices; benchmarks/serve.py runs the model end to end):
 - AVX-512 host with AMX (before the streamed kernel existed): fp32 at 1-2 rows PLAIN (MKL's GEMV)
@@ -32,6 +33,12 @@ cores, 30 layers of SmolLM2-135M's matrices; benchmarks/serve.py runs the model 
   ahead of PACKED at every row count measured (1 / 4 / 16 / 32 / 256 / 2,048 rows: 8.2 / 6.7 / 13.3 / 23.0 /
   167 / 1,359 ms against 15.2 / 12.5 / 19.8 / 30.7 / 171 / 1,432), so bf16 takes STREAMED alone where the
   CPU has AVX512_BF16 without AMX (with AMX, oneDNN's AMX GEMM keeps the wide steps: not measured against it).
+  Then fp32 on AVX-512 took the same panels (one FMA per weight vector and row, against the widening kernel's
+  lane reductions), 1.15-1.4x the widening kernel at 1 row (121 matrices, alternating in one process: 16.0 / 10.7
+  ms against 18.3 / 14.9 in the slow / fast memory phase; one 538 MB matrix at 97-99% of a sum's bandwidth against
+  87-88%), and against PACKED fp32 at 1 / 4 / 8 / 16 / 32 / 64 / 96 / 128 / 256 / 2,048 rows 16.0 / 15.9 / 18.2 /
+  26.3 / 47.7 / 90.8 / 138 / 188 / 374 / 3,300 ms against 27.1 / 24.4 / 28.9 / 35.0 / 57.0 / 98.0 / 138 / 180 /
+  343 / 2,880 (means of two, 2026-11-25): fp32 takes STREAMED under 96 rows there, PACKED from 96.
 q/k/v and gate/up are each one matrix (`FusedPackedLinear`), and `add_to` folds the residual add
 that follows o_proj and down_proj into the matmul: at decode batch sizes the kernel count is what
 costs (the fp32 batch-1 step went from 33.0 to 31.6 ms).
@@ -126,12 +133,16 @@ def kernel_plan(dtype: torch.dtype) -> tuple[tuple[float, Kernel], ...]:
 
 
 def streamed_below(dtype: torch.dtype) -> float:
-    """Rows under which the streamed kernel runs: every row count for bf16 where it is the pair kernel and the CPU
-    has no AMX (on Zen 4 it led oneDNN's packed bf16 from 1 to 2,048 rows: module docstring); else 16 where oneDNN
-    cannot pack bf16 (on Zen 3 the streamed kernel led oneDNN's packed fp32 up to 16-24 rows), 4 where it can (on
-    Zen 4 oneDNN's packed matmul caught up with the widening kernel at 4 rows and led from there)."""
-    if dtype == torch.bfloat16 and cpu_kernels.pair_dot() and not cpu_kernels.cpu_has_amx():
-        return math.inf
+    """Rows under which the streamed kernel runs. Where it is the panel kernel (`cpu_kernels.panels`): every row
+    count for bf16 on a CPU without AMX (on Zen 4 it led oneDNN's packed bf16 from 1 to 2,048 rows), 96 for fp32 (on
+    Zen 4 it led oneDNN's packed fp32 up to 64 rows, tied at 96 and trailed from 128: module docstring). Else 16
+    where oneDNN cannot pack bf16 (on Zen 3 the widening kernel led oneDNN's packed fp32 up to 16-24 rows), 4 where
+    it can (on Zen 4 oneDNN's packed matmul caught up with the widening kernel at 4 rows and led from there)."""
+    if cpu_kernels.panels(dtype):
+        if dtype == torch.float32:
+            return 96
+        if not cpu_kernels.cpu_has_amx():
+            return math.inf
     return 4 if onednn_packs_bf16() else 16
 
 

@@ -52,18 +52,28 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
                                   const at::Tensor& tables, const at::Tensor& lengths, double scale);
 
 // streamed_linear.cpp: y = x·Wᵀ (+ residual) on the tiles of `stream_pack`, by groups of kGroupOutputs<T> outputs:
-// the widening kernel's groups of 8, or for bf16 where the CPU has AVX512_BF16 (kPairDot) the pair kernel's
-// panels of kPanel (pair_dot_linear.cpp).
+// the panel kernel's panels of kPanel (panel_linear.cpp) where it serves the dtype (`kPanelsFor`), else the
+// widening kernel's groups of 8.
 #if defined(__AVX512BF16__)
-constexpr bool kPairDot = true;
+constexpr bool kPairDot = true;  // AVX512_BF16's pair instruction
 #else
 constexpr bool kPairDot = false;
+#endif
+#if defined(__AVX512F__)
+constexpr bool kAvx512 = true;
+#else
+constexpr bool kAvx512 = false;
 #endif
 constexpr int64_t kPanel = 48;
 // Whether data of dtype T takes the pair instruction: bf16 where the CPU has it.
 template <typename T> constexpr bool kPairDotFor = kPairDot && std::is_same_v<T, c10::BFloat16>;
-inline bool pair_dot_for(at::ScalarType dtype) { return kPairDot && dtype == at::kBFloat16; }  // the same, at run time
-template <typename T> constexpr int64_t kGroupOutputs = kPairDotFor<T> ? kPanel : 8;
+// Whether weights of dtype T take the panel kernel: fp32 with AVX-512, bf16 with the pair instruction.
+template <typename T> constexpr bool kPanelsFor = std::is_same_v<T, float> ? kAvx512 : kPairDot;
+inline bool panels_for(at::ScalarType dtype) {  // the same, at run time
+  return dtype == at::kFloat ? kAvx512 : kPairDot && dtype == at::kBFloat16;
+}
+template <typename T> constexpr int64_t kGroupOutputs = kPanelsFor<T> ? kPanel : 8;
+template <typename T> constexpr int64_t kPanelStep = 4 / sizeof(T);  // inputs of a panel step: a 32-bit word's
 template <typename T>
 struct StreamedProduct {
   const void* x;      // the rows in the kernel's input layout, from streamed_input
@@ -79,12 +89,13 @@ void check_tiles(const at::Tensor& tiles, int64_t out, int64_t in, const char* n
 template <typename T> void streamed_groups(const StreamedProduct<T>& product, int64_t begin, int64_t end);
 at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t out,
                            const std::optional<at::Tensor>& residual);
-// pair_dot_linear.cpp: the bf16 weight [out, in] as [panels, pairs, kPanel, 2]; x's rows as 32-bit pairs of bf16
-// [rows, pairs] (zero-padded) in a buffer of the calling thread's; and the products of panels [begin, end).
-at::Tensor pair_pack(const at::Tensor& weight);
-template <typename X>
-const uint32_t* pair_input(const X* x, int64_t rows, int64_t in, int64_t row_stride, int64_t pairs);
-void pair_panels(const StreamedProduct<c10::BFloat16>& product, int64_t begin, int64_t end);
+// panel_linear.cpp: the weight [out, in] as [panels, steps, kPanel, kPanelStep] (T's inputs of each step, a
+// 32-bit word); x's rows in T as [rows, steps · kPanelStep] (zero-padded) in a buffer of the calling thread's;
+// and the products of panels [begin, end).
+at::Tensor panel_pack(const at::Tensor& weight);
+template <typename T, typename X>
+const T* panel_input(const X* x, int64_t rows, int64_t in, int64_t row_stride, int64_t steps);
+template <typename T> void panel_products(const StreamedProduct<T>& product, int64_t begin, int64_t end);
 
 // softmax_draw.cpp: the token the uniform picks from softmax(logits / temperature) of one row, by inverse CDF.
 template <typename T> int64_t draw_row(const T* logits, int64_t vocab, float temperature, double uniform);

@@ -23,9 +23,9 @@
 // (docs/serving.md). Used by `nn.packed_linear.PackedLinear` for the row counts it picks; tested in
 // tests/nn/test_cpu_kernels.py against the exact product.
 //
-// For bf16 weights on CPUs with AVX512_BF16 (`kPairDot`), the tiles and the product are the pair kernel's
-// instead (pair_dot_linear.cpp: panels of 48 outputs, `vdpbf16ps`, rows blocked in registers), which is ahead of
-// this widening one at every row count there; the ops and the range functions below dispatch to it.
+// For fp32 weights on CPUs with AVX-512 and bf16 ones on CPUs with AVX512_BF16 (`kPanelsFor`), the tiles and the
+// product are the panel kernel's instead (panel_linear.cpp: panels of 48 outputs, rows blocked in registers), which
+// is ahead of this widening one there; the ops and the range functions below dispatch to it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -97,18 +97,16 @@ inline Eight transpose_sum(const Floats (&acc)[kGroup]) {
 // fp32 it cost 10% (19.4 -> 21.7 ms), so fp32 tiles take none; the T0/T1/T2 hints were 1-2% slower.
 // Zen 4 (AVX-512, 2026-11-25) is the other way round. Over SmolLM2's 121 matrices at 1 row, the variants in
 // turn in one process for minutes, medians in the host's slow phase (a sum reads ~36 GB/s) / its fast one
-// (~64): bf16 with none 31.2 / 44.8 GB/s, non-temporal 1 KB ahead 27.4 / 36.1, 2 KB 28.5 / 37.2; fp32 with
-// none 24.6 / 35.2, non-temporal 2 KB 25.4 / 30.7 (1 KB 25.7 / 34.5, 4-8 KB as 2), with the T1 hint (into L2)
-// 2 KB 27.8 / 37.4, 4 KB 28.6 / 38.3, 8 KB 26.5 / 39.4 (bf16 with T1: 2 KB 30.7-33.4 / 45.3-45.6 against none
-// 30.7-31.8 / 44.2-45.2, 4 KB 28.1 / 33.7); whole batch-1 bf16 steps, alternating processes, TPOT 8.4-11.1 ms
-// with none against 10.1-13.4 with 1 KB non-temporal. So CPUs with AVX-512 prefetch fp32 tiles 4 KB ahead into
-// L2 and bf16 ones not at all (Zen 4 measured; Intel's AVX-512 CPUs not).
+// (~64): bf16 with none 31.2 / 44.8 GB/s, non-temporal 1 KB ahead 27.4 / 36.1, 2 KB 28.5 / 37.2, with the T1
+// hint (into L2) 2 KB 30.7-33.4 / 45.3-45.6 against none 30.7-31.8 / 44.2-45.2, 4 KB 28.1 / 33.7; whole batch-1
+// bf16 steps, alternating processes, TPOT 8.4-11.1 ms with none against 10.1-13.4 with 1 KB non-temporal. So
+// CPUs with AVX-512 prefetch none (Zen 4 measured; Intel's AVX-512 CPUs not). (fp32 tiles, 4 KB ahead into L2,
+// had gone from 24.6 / 35.2 to 28.6 / 38.3 GB/s there; fp32 on AVX-512 now takes the panel kernel, which
+// streams at 97-99% of a sum without software prefetches.)
 #if defined(__AVX512F__)
-template <typename T> constexpr int64_t kPrefetchBytes = std::is_same_v<T, c10::BFloat16> ? 0 : 4096;
-constexpr int kPrefetchLocality = 2;  // __builtin_prefetch's locality 2: prefetcht1
+template <typename T> constexpr int64_t kPrefetchBytes = 0;
 #else
 template <typename T> constexpr int64_t kPrefetchBytes = std::is_same_v<T, c10::BFloat16> ? 1024 : 0;
-constexpr int kPrefetchLocality = 0;  // prefetchnta: no temporal locality
 #endif
 
 template <typename T>
@@ -122,7 +120,7 @@ void group_outputs(const StreamedProduct<T>& p, int64_t group) {
       if (kPrefetchBytes<T> > 0 && r == 0) {  // later rows find the group's tiles in L1
         const char* ahead = reinterpret_cast<const char*>(tiles + c * kGroup * kChunk) + kPrefetchBytes<T>;
         for (int64_t line = 0; line < int64_t(kGroup * kChunk * sizeof(T)); line += 64)
-          __builtin_prefetch(ahead + line, /*read*/ 0, kPrefetchLocality);
+          __builtin_prefetch(ahead + line, /*read*/ 0, /*no temporal locality: prefetchnta*/ 0);
       }
       const Floats first_x = bits_as<Floats>(x + c * kChunk);
       const Floats second_x = bits_as<Floats>(x + c * kChunk + kLanes);
@@ -149,7 +147,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& tiles, int64_t out, const 
   const int64_t padded = chunks * kChunk;
   TORCH_CHECK(x.stride(1) == 1, "x: rows with contiguous inputs");
   const auto input = [&](const auto* rows) -> const void* {
-    if constexpr (kPairDotFor<T>) return pair_input(rows, x.size(0), x.size(1), x.stride(0), chunks);
+    if constexpr (kPanelsFor<T>) return panel_input<T>(rows, x.size(0), x.size(1), x.stride(0), chunks);
     else return x_in_tile_order<T>(rows, x.size(0), x.size(1), x.stride(0), padded);
   };
   const void* xs = x.scalar_type() == at::kFloat ? input(x.data_ptr<float>()) : input(x.data_ptr<c10::BFloat16>());
@@ -167,14 +165,14 @@ namespace mlsyslab {
 
 template <typename T>
 const void* streamed_input(const T* x, int64_t rows, int64_t in, int64_t row_stride, int64_t chunks) {
-  if constexpr (kPairDotFor<T>) return pair_input(x, rows, in, row_stride, chunks);
+  if constexpr (kPanelsFor<T>) return panel_input<T>(x, rows, in, row_stride, chunks);
   else return x_in_tile_order<T>(x, rows, in, row_stride, chunks * kChunk);
 }
 
 template <typename T>
 void streamed_groups(const StreamedProduct<T>& product, int64_t begin, int64_t end) {
-  if constexpr (kPairDotFor<T>) {
-    pair_panels(product, begin, end);
+  if constexpr (kPanelsFor<T>) {
+    panel_products(product, begin, end);
   } else {
     for (int64_t group = begin; group < end; ++group) group_outputs(product, group);
   }
@@ -188,7 +186,7 @@ template void streamed_groups(const StreamedProduct<c10::BFloat16>&, int64_t, in
 at::Tensor stream_pack(const at::Tensor& weight) {
   check_float_or_bf16(weight, "weight");
   TORCH_CHECK(weight.dim() == 2, "weight: [out, in], got ", weight.sizes());
-  if (pair_dot_for(weight.scalar_type())) return pair_pack(weight);
+  if (panels_for(weight.scalar_type())) return panel_pack(weight);
   const int64_t out = weight.size(0), in = weight.size(1);
   const int64_t groups = (out + kGroup - 1) / kGroup, chunks = (in + kChunk - 1) / kChunk;
   const at::Tensor padded = at::constant_pad_nd(weight, {0, chunks * kChunk - in, 0, groups * kGroup - out});
@@ -197,8 +195,8 @@ at::Tensor stream_pack(const at::Tensor& weight) {
 
 void check_tiles(const at::Tensor& tiles, int64_t out, int64_t in, const char* name) {
   check_float_or_bf16(tiles, name);
-  const bool pairs = pair_dot_for(tiles.scalar_type());
-  const int64_t group = pairs ? kPanel : kGroup, chunk = pairs ? 2 : kChunk;
+  const bool panels = panels_for(tiles.scalar_type());
+  const int64_t group = panels ? kPanel : kGroup, chunk = panels ? 4 / tiles.element_size() : kChunk;
   TORCH_CHECK(tiles.dim() == 4 && tiles.size(2) == group && tiles.size(3) == chunk && tiles.is_contiguous(),
               name, ": a contiguous [groups, chunks, ", group, ", ", chunk, "] tensor from stream_pack, got ",
               tiles.sizes());
@@ -226,8 +224,8 @@ at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t
 
 TORCH_LIBRARY_FRAGMENT(mlsyslab, m) {
   m.def("stream_pack(Tensor weight) -> Tensor", &mlsyslab::stream_pack);
-  // whether bf16 weights take the pair kernel (pair_dot_linear.cpp) in this build
-  m.def("streamed_pair_dot() -> bool", []() { return mlsyslab::kPairDot; });
+  // whether weights of the dtype take the panel kernel (panel_linear.cpp) in this build
+  m.def("streamed_panels(ScalarType dtype) -> bool", [](at::ScalarType dtype) { return mlsyslab::panels_for(dtype); });
   m.def("streamed_linear(Tensor x, Tensor tiles, int out_features, Tensor? residual=None) -> Tensor",
         &mlsyslab::streamed_linear);
 }
