@@ -82,9 +82,9 @@ struct StreamedProduct {
   T* y;               // [rows, out]
   int64_t rows, chunks, out;
 };
-// x's rows (in the tiles' dtype) in the layout the kernel reads, in a buffer of the calling thread's.
-template <typename T>
-const void* streamed_input(const T* x, int64_t rows, int64_t in, int64_t row_stride, int64_t chunks);
+// x's rows (fp32 or bf16) in the layout the kernel for T's tiles reads, in a buffer of the calling thread's.
+template <typename T, typename X>
+const void* streamed_input(const X* x, int64_t rows, int64_t in, int64_t row_stride, int64_t chunks);
 void check_tiles(const at::Tensor& tiles, int64_t out, int64_t in, const char* name);  // tiles of a [out, in] weight
 template <typename T> void streamed_groups(const StreamedProduct<T>& product, int64_t begin, int64_t end);
 at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t out,

@@ -144,12 +144,8 @@ constexpr int64_t kBytesPerThread = 1 << 16;  // weight bytes below which a seco
 template <typename T>
 at::Tensor run(const at::Tensor& x, const at::Tensor& tiles, int64_t out, const std::optional<at::Tensor>& residual) {
   const int64_t groups = tiles.size(0), chunks = tiles.size(1);
-  const int64_t padded = chunks * kChunk;
   TORCH_CHECK(x.stride(1) == 1, "x: rows with contiguous inputs");
-  const auto input = [&](const auto* rows) -> const void* {
-    if constexpr (kPanelsFor<T>) return panel_input<T>(rows, x.size(0), x.size(1), x.stride(0), chunks);
-    else return x_in_tile_order<T>(rows, x.size(0), x.size(1), x.stride(0), padded);
-  };
+  const auto input = [&](const auto* rows) { return streamed_input<T>(rows, x.size(0), x.size(1), x.stride(0), chunks); };
   const void* xs = x.scalar_type() == at::kFloat ? input(x.data_ptr<float>()) : input(x.data_ptr<c10::BFloat16>());
   at::Tensor y = at::empty({x.size(0), out}, tiles.options());
   const StreamedProduct<T> p{xs, tiles.data_ptr<T>(), residual ? residual->data_ptr<T>() : nullptr, y.data_ptr<T>(),
@@ -163,8 +159,8 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& tiles, int64_t out, const 
 
 namespace mlsyslab {
 
-template <typename T>
-const void* streamed_input(const T* x, int64_t rows, int64_t in, int64_t row_stride, int64_t chunks) {
+template <typename T, typename X>
+const void* streamed_input(const X* x, int64_t rows, int64_t in, int64_t row_stride, int64_t chunks) {
   if constexpr (kPanelsFor<T>) return panel_input<T>(x, rows, in, row_stride, chunks);
   else return x_in_tile_order<T>(x, rows, in, row_stride, chunks * kChunk);
 }
@@ -178,8 +174,10 @@ void streamed_groups(const StreamedProduct<T>& product, int64_t begin, int64_t e
   }
 }
 
-template const void* streamed_input(const float*, int64_t, int64_t, int64_t, int64_t);
-template const void* streamed_input(const c10::BFloat16*, int64_t, int64_t, int64_t, int64_t);
+template const void* streamed_input<float>(const float*, int64_t, int64_t, int64_t, int64_t);
+template const void* streamed_input<float>(const c10::BFloat16*, int64_t, int64_t, int64_t, int64_t);
+template const void* streamed_input<c10::BFloat16>(const float*, int64_t, int64_t, int64_t, int64_t);
+template const void* streamed_input<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t, int64_t, int64_t);
 template void streamed_groups(const StreamedProduct<float>&, int64_t, int64_t);
 template void streamed_groups(const StreamedProduct<c10::BFloat16>&, int64_t, int64_t);
 
