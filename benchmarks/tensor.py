@@ -7,13 +7,14 @@ TP = 2 spawned ranks (gloo, one thread each), two 4-layer Llamas in fp32 — "sm
 "medium" (hidden 512, heads of 64, FFN 1536, vocab 2048, batch 4 x 256: the matmuls dominate) —
 one training step = forward, loss, backward:
 - ours: `parallel.tensor.parallelize_llama` (column/row-parallel linears with the conjugate f/g
-  functions, vocabulary-parallel embedding and cross-entropy);
+  functions, vocabulary-parallel embedding and cross-entropy), with its all-reduces through shared memory
+  (`comm.shared_memory`, the default on one host) and again on the gloo process group, as DTensor's;
 - torch: `torch.distributed.tensor.parallel.parallelize_module` with the plan torchtitan uses for
   Llama — `ColwiseParallel` for q/k/v and gate/up, `RowwiseParallel` for o and down, the embedding
   `RowwiseParallel(input_layouts=Replicate())`, the head `ColwiseParallel(output_layouts=Shard(-1))`
   and the loss under `loss_parallel()`; attention's head counts divided by TP as in torch's tutorial.
 Both start from the same weights; their first losses must agree (printed). The time is the slowest
-rank's, median (best) of 10 steps after 3 warm-ups, alternating ours and torch's step by step.
+rank's, median (best) of 10 steps after 3 warm-ups, the three alternating step by step.
 """
 
 import argparse
@@ -33,6 +34,8 @@ from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.parallel.tensor import TensorGroup, parallelize_llama, vocab_parallel_cross_entropy
 
 RESULTS = ROOT / "benchmarks" / "results" / "tensor.json"
+WHO = ("ours", "ours on gloo", "torch")  # ours with its shared-memory all-reduce, ours on the process group, DTensor's
+KEYS = {"ours": "ours", "ours on gloo": "ours_gloo", "torch": "torch"}
 CONFIGS = {  # name: (model, sequences, tokens each)
     "small": (LlamaConfig(vocab=1024, hidden=256, layers=4, heads=8, kv_heads=4, head_dim=32, ffn_hidden=768,
                           tied_embeddings=False, max_seq=128), 4, 128),
@@ -64,14 +67,14 @@ def run_config(rank, config: LlamaConfig, batch: int, seq: int, warmups: int, st
     ids = torch.randint(0, config.vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
     inputs, targets = ids[:, :-1], ids[:, 1:]
     fresh = lambda: Llama(config).initialize(generator=torch.Generator().manual_seed(0))  # noqa: E731
-    ours = parallelize_llama(fresh(), TensorGroup(rank))
+    groups = {"ours": TensorGroup(rank), "ours on gloo": TensorGroup(rank, use_shared_memory=False)}
+    models = {who: parallelize_llama(fresh(), group) for who, group in groups.items()}
     theirs = dtensor_llama(fresh(), rank.world_size)
-    group = TensorGroup(rank)
 
-    def ours_step():
-        loss = vocab_parallel_cross_entropy(ours(inputs), targets, group)
+    def ours_step(who):
+        loss = vocab_parallel_cross_entropy(models[who](inputs), targets, groups[who])
         loss.backward()
-        ours.zero_grad(set_to_none=True)
+        models[who].zero_grad(set_to_none=True)
         return loss.item()
 
     def theirs_step():
@@ -82,9 +85,10 @@ def run_config(rank, config: LlamaConfig, batch: int, seq: int, warmups: int, st
         theirs.zero_grad(set_to_none=True)
         return loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item()
 
-    times, first = {"ours": [], "torch": []}, {}
+    times, first = {who: [] for who in WHO}, {}
+    steps_of = {"ours": lambda: ours_step("ours"), "ours on gloo": lambda: ours_step("ours on gloo"), "torch": theirs_step}
     for step in range(warmups + steps):
-        for who, run in (("ours", ours_step), ("torch", theirs_step)):
+        for who, run in steps_of.items():
             dist.barrier()
             began = time.perf_counter()
             loss = run()
@@ -106,26 +110,27 @@ def main() -> None:
     ranks = spawn(run_rank, 2, args.warmups, args.steps, timeout_s=1800)
     share, out["rows"] = others.share(), []
     for name, (_, batch, seq) in CONFIGS.items():
-        slowest = {who: [max(r[name]["times"][who][i] for r in ranks) for i in range(args.steps)]
-                   for who in ("ours", "torch")}
-        out["rows"].append({
-            "model": name, "batch": batch, "seq": seq, "tp": 2,
-            "ours_median_s": statistics.median(slowest["ours"]), "ours_best_s": min(slowest["ours"]),
-            "torch_median_s": statistics.median(slowest["torch"]), "torch_best_s": min(slowest["torch"]),
-            "speedup_median": statistics.median(slowest["torch"]) / statistics.median(slowest["ours"]),
-            "first_loss_ours": ranks[0][name]["first_loss"]["ours"], "first_loss_torch": ranks[0][name]["first_loss"]["torch"],
-            "others_cpu_share": share})
+        slowest = {who: [max(r[name]["times"][who][i] for r in ranks) for i in range(args.steps)] for who in WHO}
+        row = {"model": name, "batch": batch, "seq": seq, "tp": 2, "others_cpu_share": share}
+        for who in WHO:
+            key = KEYS[who]
+            row |= {f"{key}_median_s": statistics.median(slowest[who]), f"{key}_best_s": min(slowest[who]),
+                    f"first_loss_{key}": ranks[0][name]["first_loss"][who]}
+        row["speedup_median"] = row["torch_median_s"] / row["ours_median_s"]
+        row["speedup_gloo_median"] = row["torch_median_s"] / row["ours_gloo_median_s"]
+        out["rows"].append(row)
     save(out, args.output, print_table)
 
 
 def print_table(out: dict) -> None:
     print(f"# tensor parallel, {out['date_utc']}, TP=2")
-    print("| model | ours median (best) | DTensor median (best) | DTensor / ours | first loss ours / DTensor |")
-    print("|---|---:|---:|---:|---|")
+    print("| model | ours median (best) | ours on gloo | DTensor | DTensor / ours | DTensor / ours on gloo | first losses |")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for r in out["rows"]:
-        print(f"| {r['model']}, {r['batch']} x {r['seq']} | {r['ours_median_s'] * 1e3:.1f} ms ({r['ours_best_s'] * 1e3:.1f}) | "
-              f"{r['torch_median_s'] * 1e3:.1f} ms ({r['torch_best_s'] * 1e3:.1f}) | {r['speedup_median']:.2f}x | "
-              f"{r['first_loss_ours']:.6f} / {r['first_loss_torch']:.6f} |")
+        times = " | ".join(f"{r[f'{KEYS[who]}_median_s'] * 1e3:.1f} ms ({r[f'{KEYS[who]}_best_s'] * 1e3:.1f})" for who in WHO)
+        losses = " / ".join(f"{r[f'first_loss_{KEYS[who]}']:.6f}" for who in WHO)
+        print(f"| {r['model']}, {r['batch']} x {r['seq']} | {times} | {r['speedup_median']:.2f}x | "
+              f"{r['speedup_gloo_median']:.2f}x | {losses} |")
 
 
 if __name__ == "__main__":

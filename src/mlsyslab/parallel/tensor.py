@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mlsyslab.comm import shared_memory
 from mlsyslab.comm.launch import Rank
 from mlsyslab.comm.log import CommLog, nbytes, traced
 from mlsyslab.comm.torch_ops import all_gather_single, reduce_scatter_single
@@ -32,14 +33,21 @@ from mlsyslab.nn.moe import MixtureOfExperts, combine, run_routed
 class TensorGroup:
     """The tensor-parallel group of one rank, and the log its collectives write to."""
 
-    def __init__(self, rank: Rank, log: CommLog | None = None):
-        self.rank, self.log = rank, log
+    def __init__(self, rank: Rank, log: CommLog | None = None, use_shared_memory: bool = True):
+        """use_shared_memory: all-reduce through `comm.shared_memory` where it applies (False: always the process
+        group's, as DTensor does)."""
+        self.rank, self.log, self.use_shared_memory = rank, log, use_shared_memory
         self.size, self.index, self.group = rank.world_size, rank.rank, rank.group
 
     def all_reduce(self, x: torch.Tensor, op: str = "all_reduce") -> torch.Tensor:
-        """Sum over the group, logged as `op`."""
+        """Sum over the group, logged as `op`: through shared memory where every rank is a CPU process on this host
+        (`comm.shared_memory`), else the process group's all-reduce."""
         x = x.contiguous()
-        traced(self.log, op, nbytes(x), self.size, dist.all_reduce, x, group=self.group)
+        shared = shared_memory.for_group(self.rank) if self.use_shared_memory else None
+        if shared is not None:
+            traced(self.log, op, nbytes(x), self.size, shared.all_reduce, x)
+        else:
+            traced(self.log, op, nbytes(x), self.size, dist.all_reduce, x, group=self.group)
         return x
 
     def all_gather_sequence(self, x: torch.Tensor) -> torch.Tensor:

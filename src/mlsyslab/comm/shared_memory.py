@@ -1,0 +1,117 @@
+"""All-reduce through shared memory, for the ranks of a group that all run on one x86 host with CPU tensors.
+
+Why: gloo's all-reduce between two processes of this 2-core machine took ~3.5 ms whatever the size (128 KB-2 MB)
+whenever the ranks computed between calls — its TCP loopback and I/O threads wait on the scheduler — and 2.3 ms for
+512 KB back to back (benchmarks/README.md, `tensor.py`). Ranks on one host can instead each write their tensor into
+one shared buffer, wait until every rank has, and each sum all the copies in rank order, as DeepSpeed's CPU
+`inference_all_reduce` (deepspeed/csrc/cpu/comm/shm.cpp) and vLLM's CPU shared-memory communicator do.
+
+Protocol of call n (its sequence number, the same on every rank):
+  1. wait until every rank has read call n - 1 (`read[r] >= n - 1`), copy x into this rank's slot, `written[me] = n`;
+  2. wait until `written[r] >= n` for every rank r; x = slot_0 + slot_1 + ... in rank order (every rank gets the
+     same bits, as from a collective); `read[me] = n`.
+A tensor larger than a slot goes through in slot-sized pieces, each a call. The flags are int64 words on cache lines
+of their own. x86 makes a core's stores visible in program order (TSO), so a rank that sees a flag also sees the
+slot written before it: this transport is used on x86-64 only (elsewhere, and for CUDA tensors or ranks on several
+hosts, gloo / NCCL as before). A waiting rank spins briefly, then yields its core (`os.sched_yield`: with more ranks
+than cores a spinning rank would hold the core of the rank it waits for), and gives up after the rank's timeout.
+The segment lives in /dev/shm only until every rank has mapped it: rank 0 of the group then unlinks its name, so
+nothing is left behind whatever way the processes end. Tested against gloo's all-reduce in tests/comm/test_shared_memory.py.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mlsyslab.comm.launch import Rank
+
+SLOT_BYTES = 4 << 20  # per rank: a piece of up to 4 MB per call
+WORD = 8  # int64 flags, one per 64-byte line
+SPINS_BEFORE_YIELD = 64
+SHM = Path("/dev/shm")
+
+
+class SharedMemoryAllReduce:
+    """Sum of a CPU tensor over the ranks of `rank.group`, through a segment they all map (module docstring)."""
+
+    def __init__(self, rank: Rank, slot_bytes: int = SLOT_BYTES):
+        self.rank, self.size, self.slot_bytes = rank, rank.world_size, slot_bytes
+        self.calls = 0
+        names = [uuid.uuid4().hex if rank.rank == 0 else None]
+        dist.broadcast_object_list(names, src=rank.global_rank(0), group=rank.group)
+        path = SHM / f"mlsyslab_allreduce_{names[0]}"
+        flag_bytes = 2 * self.size * 64
+        total = flag_bytes + self.size * slot_bytes
+        if rank.rank == 0:
+            with open(path, "wb") as file:
+                file.truncate(total)
+        dist.barrier(group=rank.group)
+        memory = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
+        dist.barrier(group=rank.group)  # every rank has it mapped: the name can go
+        if rank.rank == 0:
+            path.unlink()
+        lines = memory[:flag_bytes].view(torch.int64).view(2, self.size, 64 // WORD)
+        self.written, self.read = lines[0, :, 0], lines[1, :, 0]
+        self.slots = memory[flag_bytes:].view(self.size, slot_bytes)
+
+    @staticmethod
+    def applies(rank: Rank) -> bool:
+        """Whether every rank of the group is a CPU process on this x86-64 host (a collective over the group)."""
+        hosts = [None] * rank.world_size
+        dist.all_gather_object(hosts, socket.gethostname() if _usable(rank) else None, group=rank.group)
+        return all(host == hosts[0] for host in hosts) and hosts[0] is not None
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        """x = the sum of every rank's x, in place (x contiguous, on the CPU, the same shape and dtype everywhere)."""
+        flat = x.view(-1).view(torch.uint8)
+        for begin in range(0, flat.numel(), self.slot_bytes):
+            self._reduce_piece(x.view(-1), flat[begin:begin + self.slot_bytes], begin // x.element_size())
+
+    def _reduce_piece(self, x: torch.Tensor, piece: torch.Tensor, first: int) -> None:
+        self.calls += 1
+        n, me = self.calls, self.rank.rank
+        self._wait(self.read, n - 1)
+        self.slots[me, :piece.numel()].copy_(piece)
+        self.written[me] = n
+        self._wait(self.written, n)
+        values = x[first:first + piece.numel() // x.element_size()]
+        slots = self.slots[:, :piece.numel()].view(x.dtype)
+        values.copy_(slots[0])
+        for other in range(1, self.size):
+            values.add_(slots[other])
+        self.read[me] = n
+
+    def _wait(self, flags: torch.Tensor, n: int) -> None:
+        spins, deadline = 0, time.monotonic() + self.rank.timeout_s
+        while bool((flags < n).any()):
+            spins += 1
+            if spins > SPINS_BEFORE_YIELD:
+                os.sched_yield()
+                if spins % 4096 == 0 and time.monotonic() > deadline:
+                    raise TimeoutError(f"shared-memory all-reduce: call {n} still waits for ranks "
+                                       f"{(flags < n).nonzero().flatten().tolist()} after {self.rank.timeout_s:.0f} s")
+
+
+_REDUCERS: dict[tuple, SharedMemoryAllReduce | None] = {}
+
+
+def for_group(rank: Rank) -> SharedMemoryAllReduce | None:
+    """The group's shared-memory all-reduce, made at the group's first call (a collective: every rank of the group
+    calls in the same order), or None where it does not apply or MLSYS_SHM_ALLREDUCE=0 (then the process group's)."""
+    key = (id(rank.group), rank.peers)
+    if key not in _REDUCERS:
+        wanted = os.environ.get("MLSYS_SHM_ALLREDUCE", "1") != "0" and rank.world_size > 1
+        _REDUCERS[key] = SharedMemoryAllReduce(rank) if wanted and SharedMemoryAllReduce.applies(rank) else None
+    return _REDUCERS[key]
+
+
+def _usable(rank: Rank) -> bool:
+    return rank.device.type == "cpu" and platform.machine() in ("x86_64", "AMD64") and SHM.is_dir()

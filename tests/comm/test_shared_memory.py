@@ -1,0 +1,82 @@
+"""The shared-memory all-reduce equals gloo's, on every rank, for 2, 3 and 4 ranks, several dtypes and sizes that
+span several slots; it leaves nothing in /dev/shm, and a rank that never comes makes the others fail in time."""
+
+import dataclasses
+import os
+import platform
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mlsyslab.comm import shared_memory
+from mlsyslab.comm.launch import spawn
+from mlsyslab.comm.shared_memory import SharedMemoryAllReduce
+
+pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not shared_memory.SHM.is_dir(),
+                                reason="the shared-memory all-reduce runs on x86-64 Linux only")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64]
+SIZES = [1, 5, 1003, 4099]  # with 256-byte slots, 4099 fp64 values go through in 129 pieces
+
+
+def _equal_to_gloo(rank):
+    reducer = SharedMemoryAllReduce(rank, slot_bytes=256)
+    problems = []
+    for round_ in range(3):  # the flags carry on from call to call
+        for dtype in DTYPES:
+            for numel in SIZES:
+                generator = torch.Generator().manual_seed(1000 * rank.rank + numel + round_)
+                x = torch.randint(-16, 16, (numel,), generator=generator).to(dtype)  # exact sums in every dtype
+                ours, theirs = x.clone(), x.clone()
+                reducer.all_reduce(ours)
+                dist.all_reduce(theirs)
+                if not torch.equal(ours, theirs):
+                    problems.append(f"rank {rank.rank}: {dtype} x{numel}: {ours[:4].tolist()} != {theirs[:4].tolist()}")
+    floats = torch.randn(3, 1000, generator=torch.Generator().manual_seed(rank.rank))
+    reducer.all_reduce(floats)
+    everyone = [torch.empty_like(floats) for _ in range(rank.world_size)]
+    dist.all_gather(everyone, floats)  # every rank the same bits, as from a collective
+    if not all(torch.equal(other, floats) for other in everyone):
+        problems.append(f"rank {rank.rank}: fp32 sums differ between ranks")
+    return problems
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_shared_memory_all_reduce_equals_gloo_on_every_rank(world):
+    assert spawn(_equal_to_gloo, world) == [[]] * world
+
+
+def _segments(rank):
+    before = {path.name for path in shared_memory.SHM.glob("mlsyslab_allreduce_*")}
+    SharedMemoryAllReduce(rank).all_reduce(torch.ones(10))
+    dist.barrier()
+    return {path.name for path in shared_memory.SHM.glob("mlsyslab_allreduce_*")} - before
+
+
+def test_the_segment_leaves_no_name_behind():
+    assert spawn(_segments, 2) == [set(), set()]
+
+
+def _late(rank):
+    reducer = SharedMemoryAllReduce(dataclasses.replace(rank, timeout_s=1.0))
+    if rank.rank == 1:
+        return None  # never calls
+    with pytest.raises(TimeoutError, match=r"call 1 still waits for ranks \[1\] after 1 s"):
+        reducer.all_reduce(torch.ones(4))
+    return "timed out"
+
+
+def test_a_rank_that_never_comes_times_out_naming_it():
+    assert spawn(_late, 2) == ["timed out", None]
+
+
+def _chosen(rank, switch):
+    if switch is not None:
+        os.environ["MLSYS_SHM_ALLREDUCE"] = switch
+    return shared_memory.for_group(rank) is not None
+
+
+def test_switched_off_by_the_environment():
+    assert spawn(_chosen, 2, None) == [True, True]
+    assert spawn(_chosen, 2, "0") == [False, False]
