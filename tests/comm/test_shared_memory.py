@@ -80,3 +80,15 @@ def _chosen(rank, switch):
 def test_switched_off_by_the_environment():
     assert spawn(_chosen, 2, None) == [True, True]
     assert spawn(_chosen, 2, "0") == [False, False]
+
+
+def _elsewhere(rank, directory):
+    if rank.rank == 1:  # as if on another host: the segment's name leads to a file of its own
+        shared_memory.SHM = directory
+    chosen = shared_memory.for_group(rank)
+    dist.barrier()  # rank 1 has removed its file
+    return chosen is None, sorted(path.name for path in directory.iterdir())
+
+
+def test_ranks_that_do_not_share_the_segment_keep_the_process_group(tmp_path):
+    assert spawn(_elsewhere, 2, tmp_path) == [(True, []), (True, [])]

@@ -16,7 +16,9 @@ slot written before it: this transport is used on x86-64 only (elsewhere, and fo
 hosts, gloo / NCCL as before). A waiting rank spins briefly, then yields its core (`os.sched_yield`: with more ranks
 than cores a spinning rank would hold the core of the rank it waits for), and gives up after the rank's timeout.
 The segment lives in /dev/shm only until every rank has mapped it: rank 0 of the group then unlinks its name, so
-nothing is left behind whatever way the processes end. Tested against gloo's all-reduce in tests/comm/test_shared_memory.py.
+nothing is left behind whatever way the processes end. Each rank checks that it mapped rank 0's segment (a token rank 0
+wrote; a rank on another host with the same host name would map a new, empty file): if any did not, every rank keeps
+the process group's all-reduce. Tested against gloo's all-reduce in tests/comm/test_shared_memory.py.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ SPINS_BEFORE_YIELD = 64
 SHM = Path("/dev/shm")
 
 
+class NotShared(RuntimeError):
+    """Some rank of the group did not map the same segment as rank 0 (raised on every rank alike)."""
+
+
 class SharedMemoryAllReduce:
     """Sum of a CPU tensor over the ranks of `rank.group`, through a segment they all map (module docstring)."""
 
@@ -47,17 +53,23 @@ class SharedMemoryAllReduce:
         self.calls = 0
         names = [uuid.uuid4().hex if rank.rank == 0 else None]
         dist.broadcast_object_list(names, src=rank.global_rank(0), group=rank.group)
-        path = SHM / f"mlsyslab_allreduce_{names[0]}"
+        path, token = SHM / f"mlsyslab_allreduce_{names[0]}", bytes.fromhex(names[0])
         flag_bytes = 2 * self.size * 64
-        total = flag_bytes + self.size * slot_bytes
+        total = 64 + flag_bytes + self.size * slot_bytes  # a line for rank 0's token, the flags, the slots
         if rank.rank == 0:
             with open(path, "wb") as file:
+                file.write(token)
                 file.truncate(total)
         dist.barrier(group=rank.group)
         memory = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
-        dist.barrier(group=rank.group)  # every rank has it mapped: the name can go
-        if rank.rank == 0:
-            path.unlink()
+        ok = bytes(memory[:len(token)].tolist()) == token  # rank 0's segment, not a new file on another host
+        mapped = [None] * self.size
+        dist.all_gather_object(mapped, ok, group=rank.group)
+        if rank.rank == 0 or not ok:  # every rank has it mapped: the name can go
+            path.unlink(missing_ok=True)
+        if not all(mapped):
+            raise NotShared(f"ranks {[r for r, ok in enumerate(mapped) if not ok]} did not map rank 0's segment {path}")
+        memory = memory[64:]
         lines = memory[:flag_bytes].view(torch.int64).view(2, self.size, 64 // WORD)
         self.written, self.read = lines[0, :, 0], lines[1, :, 0]
         self.slots = memory[flag_bytes:].view(self.size, slot_bytes)
@@ -71,6 +83,8 @@ class SharedMemoryAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> None:
         """x = the sum of every rank's x, in place (x contiguous, on the CPU, the same shape and dtype everywhere)."""
+        if not x.is_contiguous() or x.device.type != "cpu":
+            raise ValueError(f"x: a contiguous CPU tensor, got {'non-contiguous' if x.device.type == 'cpu' else x.device}")
         flat = x.view(-1).view(torch.uint8)
         for begin in range(0, flat.numel(), self.slot_bytes):
             self._reduce_piece(x.view(-1), flat[begin:begin + self.slot_bytes], begin // x.element_size())
@@ -109,7 +123,12 @@ def for_group(rank: Rank) -> SharedMemoryAllReduce | None:
     key = (id(rank.group), rank.peers)
     if key not in _REDUCERS:
         wanted = os.environ.get("MLSYS_SHM_ALLREDUCE", "1") != "0" and rank.world_size > 1
-        _REDUCERS[key] = SharedMemoryAllReduce(rank) if wanted and SharedMemoryAllReduce.applies(rank) else None
+        _REDUCERS[key] = None
+        if wanted and SharedMemoryAllReduce.applies(rank):
+            try:
+                _REDUCERS[key] = SharedMemoryAllReduce(rank)
+            except NotShared:  # every rank raises it alike (the check is gathered): all keep the process group's
+                pass
     return _REDUCERS[key]
 
 
