@@ -81,15 +81,16 @@ class SharedMemoryAllReduce:
         dist.all_gather_object(hosts, socket.gethostname() if _usable(rank) else None, group=rank.group)
         return all(host == hosts[0] for host in hosts) and hosts[0] is not None
 
-    def all_reduce(self, x: torch.Tensor) -> None:
-        """x = the sum of every rank's x, in place (x contiguous, on the CPU, the same shape and dtype everywhere)."""
+    def all_reduce(self, x: torch.Tensor, maximum: bool = False) -> None:
+        """x = the sum (`maximum`: the elementwise maximum) of every rank's x, in place (x contiguous, on the CPU, the
+        same shape and dtype everywhere)."""
         if not x.is_contiguous() or x.device.type != "cpu":
             raise ValueError(f"x: a contiguous CPU tensor, got {'non-contiguous' if x.device.type == 'cpu' else x.device}")
         flat = x.view(-1).view(torch.uint8)
         for begin in range(0, flat.numel(), self.slot_bytes):
-            self._reduce_piece(x.view(-1), flat[begin:begin + self.slot_bytes], begin // x.element_size())
+            self._reduce_piece(x.view(-1), flat[begin:begin + self.slot_bytes], begin // x.element_size(), maximum)
 
-    def _reduce_piece(self, x: torch.Tensor, piece: torch.Tensor, first: int) -> None:
+    def _reduce_piece(self, x: torch.Tensor, piece: torch.Tensor, first: int, maximum: bool) -> None:
         self.calls += 1
         n, me = self.calls, self.rank.rank
         self._wait(self.read, n - 1)
@@ -100,7 +101,10 @@ class SharedMemoryAllReduce:
         slots = self.slots[:, :piece.numel()].view(x.dtype)
         values.copy_(slots[0])
         for other in range(1, self.size):
-            values.add_(slots[other])
+            if maximum:
+                torch.maximum(values, slots[other], out=values)
+            else:
+                values.add_(slots[other])
         self.read[me] = n
 
     def _wait(self, flags: torch.Tensor, n: int) -> None:

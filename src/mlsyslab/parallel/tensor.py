@@ -39,15 +39,16 @@ class TensorGroup:
         self.rank, self.log, self.use_shared_memory = rank, log, use_shared_memory
         self.size, self.index, self.group = rank.world_size, rank.rank, rank.group
 
-    def all_reduce(self, x: torch.Tensor, op: str = "all_reduce") -> torch.Tensor:
-        """Sum over the group, logged as `op`: through shared memory where every rank is a CPU process on this host
-        (`comm.shared_memory`), else the process group's all-reduce."""
+    def all_reduce(self, x: torch.Tensor, op: str = "all_reduce", maximum: bool = False) -> torch.Tensor:
+        """Sum (or with `maximum`, the elementwise maximum) over the group, logged as `op`: through shared memory
+        where every rank is a CPU process on this host (`comm.shared_memory`), else the process group's all-reduce."""
         x = x.contiguous()
         shared = shared_memory.for_group(self.rank) if self.use_shared_memory else None
         if shared is not None:
-            traced(self.log, op, nbytes(x), self.size, shared.all_reduce, x)
+            traced(self.log, op, nbytes(x), self.size, shared.all_reduce, x, maximum)
         else:
-            traced(self.log, op, nbytes(x), self.size, dist.all_reduce, x, group=self.group)
+            reduction = dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM
+            traced(self.log, op, nbytes(x), self.size, dist.all_reduce, x, reduction, group=self.group)
         return x
 
     def all_gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
@@ -214,8 +215,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, tp: TensorGroup, first: int):
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        maximum = logits.max(dim=-1).values
-        traced(tp.log, "all_reduce", nbytes(maximum), tp.size, dist.all_reduce, maximum, dist.ReduceOp.MAX, group=tp.group)
+        maximum = tp.all_reduce(logits.max(dim=-1).values, maximum=True)
         shifted = logits - maximum[..., None]
         exp = shifted.exp()
         total = tp.all_reduce(exp.sum(dim=-1))
