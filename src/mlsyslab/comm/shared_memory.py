@@ -8,8 +8,8 @@ one shared buffer, wait until every rank has, and each sum all the copies in ran
 
 Protocol of call n (its sequence number, the same on every rank):
   1. wait until every rank has read call n - 1 (`read[r] >= n - 1`), copy x into this rank's slot, `written[me] = n`;
-  2. wait until `written[r] >= n` for every rank r; x = slot_0 + slot_1 + ... in rank order (every rank gets the
-     same bits, as from a collective); `read[me] = n`.
+  2. wait until `written[r] >= n` for every rank r; x = slot_0 + slot_1 + ... in rank order (or their elementwise
+     maximum; every rank gets the same bits, as from a collective); `read[me] = n`.
 A tensor larger than a slot goes through in slot-sized pieces, each a call. The flags are int64 words on cache lines
 of their own. x86 makes a core's stores visible in program order (TSO), so a rank that sees a flag also sees the
 slot written before it: this transport is used on x86-64 only (elsewhere, and for CUDA tensors or ranks on several
@@ -46,7 +46,8 @@ class NotShared(RuntimeError):
 
 
 class SharedMemoryAllReduce:
-    """Sum of a CPU tensor over the ranks of `rank.group`, through a segment they all map (module docstring)."""
+    """Sum (or maximum) of a CPU tensor over the ranks of `rank.group`, through a segment they all map (module
+    docstring)."""
 
     def __init__(self, rank: Rank, slot_bytes: int = SLOT_BYTES):
         self.rank, self.size, self.slot_bytes = rank, rank.world_size, slot_bytes
@@ -62,10 +63,10 @@ class SharedMemoryAllReduce:
                 file.truncate(total)
         dist.barrier(group=rank.group)
         memory = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
-        ok = bytes(memory[:len(token)].tolist()) == token  # rank 0's segment, not a new file on another host
+        mine = bytes(memory[:len(token)].tolist()) == token  # rank 0's segment, not a new file on another host
         mapped = [None] * self.size
-        dist.all_gather_object(mapped, ok, group=rank.group)
-        if rank.rank == 0 or not ok:  # every rank has it mapped: the name can go
+        dist.all_gather_object(mapped, mine, group=rank.group)
+        if rank.rank == 0 or not mine:  # every rank has it mapped: the name can go
             path.unlink(missing_ok=True)
         if not all(mapped):
             raise NotShared(f"ranks {[r for r, ok in enumerate(mapped) if not ok]} did not map rank 0's segment {path}")
