@@ -18,6 +18,7 @@ rank's, median (best) of 10 steps after 3 warm-ups, the three alternating step b
 """
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -86,7 +87,7 @@ def run_config(rank, config: LlamaConfig, batch: int, seq: int, warmups: int, st
         return loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item()
 
     times, first = {who: [] for who in WHO}, {}
-    steps_of = {"ours": lambda: ours_step("ours"), "ours on gloo": lambda: ours_step("ours on gloo"), "torch": theirs_step}
+    steps_of = {who: functools.partial(ours_step, who) for who in groups} | {"torch": theirs_step}
     for step in range(warmups + steps):
         for who, run in steps_of.items():
             dist.barrier()

@@ -74,6 +74,7 @@ inline bool panels_for(at::ScalarType dtype) {  // the same, at run time
 }
 template <typename T> constexpr int64_t kGroupOutputs = kPanelsFor<T> ? kPanel : 8;
 template <typename T> constexpr int64_t kPanelStep = 4 / sizeof(T);  // inputs of a panel step: a 32-bit word's
+inline int64_t panel_step(at::ScalarType dtype) { return 4 / int64_t(c10::elementSize(dtype)); }  // the same, at run time
 template <typename T>
 struct StreamedProduct {
   const void* x;      // the rows in the kernel's input layout, from streamed_input

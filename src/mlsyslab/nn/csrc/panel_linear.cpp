@@ -40,7 +40,7 @@
 namespace mlsyslab {
 
 at::Tensor panel_pack(const at::Tensor& weight) {
-  const int64_t width = 4 / weight.element_size();  // inputs a 32-bit word holds
+  const int64_t width = panel_step(weight.scalar_type());
   const int64_t out = weight.size(0), in = weight.size(1);
   const int64_t panels = (out + kPanel - 1) / kPanel, steps = (in + width - 1) / width;
   const at::Tensor padded = at::constant_pad_nd(weight, {0, steps * width - in, 0, panels * kPanel - out});

@@ -194,7 +194,7 @@ at::Tensor stream_pack(const at::Tensor& weight) {
 void check_tiles(const at::Tensor& tiles, int64_t out, int64_t in, const char* name) {
   check_float_or_bf16(tiles, name);
   const bool panels = panels_for(tiles.scalar_type());
-  const int64_t group = panels ? kPanel : kGroup, chunk = panels ? 4 / tiles.element_size() : kChunk;
+  const int64_t group = panels ? kPanel : kGroup, chunk = panels ? panel_step(tiles.scalar_type()) : kChunk;
   TORCH_CHECK(tiles.dim() == 4 && tiles.size(2) == group && tiles.size(3) == chunk && tiles.is_contiguous(),
               name, ": a contiguous [groups, chunks, ", group, ", ", chunk, "] tensor from stream_pack, got ",
               tiles.sizes());
