@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mlsyslab.comm.heap import keep_freed_memory
+
 DEFAULT_TIMEOUT_S = 60.0
 # Imported once by the fork server that `spawn` starts ranks from, so that each rank starts as a fork of a
 # process that has them (not a fresh interpreter importing torch, ~3 s a rank on 2 cores, and torch._dynamo,
@@ -47,7 +49,9 @@ class Rank:
 
 def init(rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device | None = None,
          timeout_s: float = DEFAULT_TIMEOUT_S) -> Rank:
-    """Join the process group; NCCL if this rank has a CUDA device, gloo otherwise."""
+    """Join the process group; NCCL if this rank has a CUDA device, gloo otherwise. The rank's process keeps its
+    freed CPU memory in its heap from here on (`comm.heap`: a step's large temporaries reuse warm pages)."""
+    keep_freed_memory()
     if device is None:
         device = torch.device("cuda", rank % torch.cuda.device_count()) if torch.cuda.is_available() else torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"

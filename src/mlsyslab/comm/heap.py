@@ -1,0 +1,37 @@
+"""Keep a rank's freed CPU buffers in its heap, so that the next step's large temporaries reuse warm pages.
+
+Why: glibc's malloc serves every block over its mmap threshold (at most 32 MB, however it adapts) with fresh pages
+from the kernel and unmaps them on free. An eager training step on a CPU allocates several such blocks and frees
+them again — the logits and their gradient are tokens × vocab × 4 bytes (100 MB for 512 tokens of a 49,152-word
+vocabulary) — so every step pays a page fault, and the kernel's zeroing, on every 4 KB of them. Measured here
+(llama-tiny, 512 tokens, one thread, Zen 4, 2026-11-25): 545 ms a forward + backward, of which the logits' matmul
+124 ms at 52 GFLOP/s (96 at 1,024 words) and a 46 ms `fill_`; 355-370 ms with the heap kept. PyTorch's CPU tuning
+guide reaches the same end by preloading jemalloc or TCMalloc; `mallopt` does it with the C library already loaded.
+
+`keep_freed_memory()` sets M_MMAP_THRESHOLD to 1 GiB (blocks under it come from the heap) and M_TRIM_THRESHOLD to
+its maximum (the heap is not given back to the kernel), for this process. The cost: the process keeps its peak
+heap until it exits — a training rank, which reaches that peak every step anyway. Called by every rank that
+`comm.launch` starts; glibc only (elsewhere it does nothing and says so by returning False); MLSYS_KEEP_HEAP=0
+leaves malloc as it is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+
+M_TRIM_THRESHOLD = -1  # glibc malloc.h
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 1 << 30
+TRIM_THRESHOLD_BYTES = 2**31 - 1  # mallopt takes an int
+
+
+def keep_freed_memory() -> bool:
+    """Serve blocks under 1 GiB from the heap and never trim it (glibc `mallopt`); whether it was set."""
+    if platform.libc_ver()[0] != "glibc" or os.environ.get("MLSYS_KEEP_HEAP", "1") == "0":
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
