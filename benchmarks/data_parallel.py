@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from record import ROOT, OtherProcesses, machine, save  # benchmarks/record.py
 
+from mlsyslab.comm import heap
 from mlsyslab.comm.launch import spawn
 from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.parallel.ddp import DataParallel
@@ -189,7 +190,7 @@ def run_deepspeed(name: str, spec: dict) -> list:
         cmd = [str(PEER_PYTHON), str(PEER_SCRIPT), "--spec", json.dumps(spec), "--stage", str(stage), "--output", str(output)]
         if offload:
             cmd.append("--offload")
-        env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", **heap.environment()}  # our ranks' allocator setting
         env.pop("PYTHONPATH", None)
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env, timeout=1800)
         if done.returncode != 0 or not output.exists():

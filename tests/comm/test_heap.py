@@ -1,6 +1,7 @@
 """comm.heap: a rank's freed large buffers are reused from its heap, without fresh page faults."""
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mlsyslab.comm import launch
+from mlsyslab.comm import heap, launch
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 
@@ -39,9 +40,9 @@ def loss_step_faults(rank=None) -> list[int]:
     return faults
 
 
-def in_fresh_interpreter(mode: str) -> dict:
+def in_fresh_interpreter(mode: str, environment: dict | None = None) -> dict:
     out = subprocess.run([sys.executable, "-c", FRESH, mode, str(Path(__file__).parent)], capture_output=True,
-                         text=True, check=True)
+                         text=True, check=True, env={**os.environ, **(environment or {})})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -52,6 +53,10 @@ def test_kept_heap_stops_the_page_faults_of_repeated_large_temporaries():
     # on reusing freed blocks within ~10 passes (an occasional larger one still grows the heap once).
     assert sum(plain["faults"][-4:]) > 150_000
     assert sum(kept["faults"][-4:]) < 40_000
+
+
+def test_the_environment_variables_keep_the_heap_of_a_process_we_do_not_start():
+    assert sum(in_fresh_interpreter("plain", heap.environment())["faults"][-4:]) < 40_000
 
 
 def test_spawned_ranks_keep_their_heap():

@@ -12,7 +12,8 @@ guide reaches the same end by preloading jemalloc or TCMalloc; `mallopt` does it
 its maximum (the heap is not given back to the kernel), for this process. The cost: the process keeps its peak
 heap until it exits — a training rank, which reaches that peak every step anyway. Called by every rank that
 `comm.launch` starts; glibc only (elsewhere it does nothing and says so by returning False); MLSYS_KEEP_HEAP=0
-leaves malloc as it is.
+leaves malloc as it is. `environment()` is the same setting as glibc's environment variables, for a process we do
+not start ourselves (a benchmark's peer, which must run under the same allocator as our ranks).
 """
 
 from __future__ import annotations
@@ -35,3 +36,10 @@ def keep_freed_memory() -> bool:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
         libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
+def environment() -> dict[str, str]:
+    """`keep_freed_memory()` as glibc's environment variables (empty under MLSYS_KEEP_HEAP=0)."""
+    if os.environ.get("MLSYS_KEEP_HEAP", "1") == "0":
+        return {}
+    return {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_BYTES)}
