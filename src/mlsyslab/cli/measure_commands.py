@@ -27,6 +27,7 @@ def calibrate_command(
         ("peak matmul (fp32)", human(chip["peak_flops"]["fp32"], "FLOP/s")),
         ("peak matmul (bf16)", human(chip["peak_flops"]["bf16"], "FLOP/s")),
         ("matmul efficiency fit", f"{fitted['matmul_efficiency_max']:.2f} · w/(w + {fitted['matmul_half_efficiency_width']:.0f})"),
+        ("vocabulary projection's rate", f"{fitted['output_projection_efficiency']:.2f} of a layer GEMM's"),
         ("memory bandwidth (copy)", human(chip["hbm_bw"], "B/s")),
         ("kernel overhead", seconds(fitted["kernel_overhead_s"])),
         ("collective alpha", seconds(fitted["scale_up_latency_s"])),

@@ -3,8 +3,12 @@
 Run with the same number of ranks and threads the jobs will use (on a CPU the ranks share the cores:
 training ranks under torchrun run one thread each; `mlsys serve`'s engine is one rank with every
 core), each rank measures, at the same time as the others:
-- matmul FLOP/s for square-ish GEMMs of widths 32…1024 — the fastest is the peak, and the curve
-  fits predict's efficiency η(w) = η_max · w/(w + w_half) (least squares over w_half);
+- matmul FLOP/s for a layer's three GEMMs of widths 32…1024 as a training step runs them (the forward product, the
+  input gradient and the weight gradient: transposed operands run slower than the forward one at narrow widths,
+  79 against 98 GFLOP/s at width 128 on one Zen 4 core) — the fastest is the peak, and the curve fits predict's
+  efficiency η(w) = η_max · w/(w + w_half) (least squares over w_half);
+- the vocabulary projection's rate: the same three products over 512 tokens x 256 inputs x 32,768 outputs, as a
+  fraction of the layer GEMMs' at width 256 (its result is far larger than the caches);
 - memory bandwidth: a large tensor copy (bytes read + written per second);
 - the per-kernel overhead of eager PyTorch: a tiny op's forward + backward, per op;
 - the loss: cross-entropy forward + backward over fp32 logits, as equivalent bytes per logit;
@@ -28,6 +32,7 @@ from mlsyslab.comm.launch import Rank, spawn
 from mlsyslab.specs.catalog import LOCAL_HARDWARE
 
 WIDTHS = (32, 64, 128, 256, 512, 1024)
+OUTPUT_PROJECTION = (256, 32_768)  # inputs, outputs (a vocabulary) of the projection whose rate is measured
 ALL_REDUCE_BYTES = (4_096, 65_536, 1_048_576, 4_194_304, 16_777_216)
 
 
@@ -43,6 +48,7 @@ def calibrate(nproc: int, path: Path = LOCAL_HARDWARE, threads: int = 1) -> dict
 def _measure(rank: Rank) -> dict:
     bandwidth = _copy_bandwidth()
     return {"matmul": {w: _matmul_flops(w) for w in WIDTHS}, "bf16_matmul": _matmul_flops(512, torch.bfloat16),
+            "output_projection": _matmul_flops(OUTPUT_PROJECTION[0], outputs=OUTPUT_PROJECTION[1]),
             "bandwidth": bandwidth, "loss_bytes_per_logit": _loss_bytes_per_logit(bandwidth),
             "kernel_s": _kernel_overhead(), "all_reduce": _all_reduce_times(rank)}
 
@@ -63,10 +69,18 @@ def _best_time(fn, repeats: int = 5, min_s: float = 0.05) -> float:
     return best
 
 
-def _matmul_flops(width: int, dtype=torch.float32) -> float:
-    rows = max(256, 65_536 // width)  # tokens x width @ width x width, like a transformer layer's GEMMs
-    a, b = torch.randn(rows, width, dtype=dtype), torch.randn(width, width, dtype=dtype)
-    return 2 * rows * width * width / _best_time(lambda: a @ b)
+def _matmul_flops(width: int, dtype=torch.float32, outputs: int | None = None) -> float:
+    """A linear layer's forward, input-gradient and weight-gradient products: tokens x width inputs, `outputs`
+    (default: width) outputs."""
+    rows, outputs = max(256, 65_536 // width), outputs or width
+    x, weight, grad = (torch.randn(*shape, dtype=dtype) for shape in ((rows, width), (outputs, width), (rows, outputs)))
+
+    def products():
+        torch.mm(x, weight.t())
+        torch.mm(grad, weight)
+        torch.mm(grad.t(), x)
+
+    return 3 * 2 * rows * width * outputs / _best_time(products)
 
 
 def _copy_bandwidth(numel: int = 32_000_000) -> float:
@@ -145,6 +159,8 @@ def _spec(nproc: int, threads: int, measured: list) -> dict:
                    "memory_bandwidth_efficiency": 1.0, "scale_up_efficiency": 1.0, "scale_out_efficiency": 1.0,
                    "scale_up_latency_s": float(alpha), "scale_out_latency_s": float(alpha),
                    "kernel_overhead_s": float(kernel), "data_parallel_overlap": 0.0,
+                   "output_projection_efficiency": min(1.0, float(statistics.median(
+                       m["output_projection"] for m in measured)) / flops[OUTPUT_PROJECTION[0]]),
                    "loss_bytes_per_logit": float(statistics.median(m["loss_bytes_per_logit"] for m in measured))}
     return {"accelerator": accelerator, "system": system, "assumptions": assumptions,
             "measured": {"matmul_flops_by_width": {int(w): float(f) for w, f in flops.items()},

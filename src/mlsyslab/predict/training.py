@@ -84,6 +84,9 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     passes = 3 + full  # forward, backward (2x); full recompute repeats the layers' forward (not the logits)
     hardware_flops = passes * layer_matmul_fwd + 3 * logits_fwd + (passes + selective) * attention_fwd
     peak = hw.peak_flops * matmul_efficiency(model.hidden / t, a)
+    # the vocabulary projection's three products run at their own rate (output_projection_efficiency); counted
+    # at the layers' rate in hardware_flops (HFU), and here the time they take beyond it
+    logits_beyond = 3 * logits_fwd / peak * (1 / np.float64(a.output_projection_efficiency) - 1)
     sp_shard = np.where(layout.sequence_parallel, t, 1.0)
     elementwise = a.elementwise_bytes_per_token_per_hidden * model.hidden / sp_shard * tokens * layers * passes
     scores = 0.0 if a.flash_attention else 2 * 5 * model.heads * layout.seq * tokens / t * layers * (passes + selective)
@@ -91,7 +94,7 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     loss_bytes = a.loss_bytes_per_logit * tokens * model.vocab / t
     memory_bw = hw.hbm_bw * a.memory_bandwidth_efficiency
     launches = a.kernel_overhead_s * a.kernels_per_layer * layers * passes
-    compute = hardware_flops / peak + (elementwise + scores + loss_bytes) / memory_bw + launches
+    compute = hardware_flops / peak + logits_beyond + (elementwise + scores + loss_bytes) / memory_bw + launches
 
     # Tensor parallel: 4 collectives of s·b·h per layer (6 with recompute), all-reduce-equivalent.
     act_bytes = tokens * model.hidden * width

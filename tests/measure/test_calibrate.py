@@ -1,0 +1,37 @@
+"""`mlsys calibrate`'s spec: what the twin reads back, and the vocabulary projection's measured rate."""
+
+import numpy as np
+import pytest
+
+from mlsyslab.cli.options import resolve_assumptions, resolve_hardware
+from mlsyslab.measure.calibrate import calibrate
+from mlsyslab.predict.architecture import parameters
+from mlsyslab.predict.layout import Layout
+from mlsyslab.predict.training import matmul_efficiency, predict_training
+from mlsyslab.specs import catalog
+
+
+def test_the_output_projection_efficiency_slows_the_logits_products_alone():
+    model, hardware = catalog.model("SmolLM2-135M"), resolve_hardware("h100", None, "bf16")[0]
+    layout = Layout.of(dp=8, tp=2, micro_batch=2, global_batch=64, seq=1024)
+    base = resolve_assumptions(None)
+    slower = base.override({"output_projection_efficiency": 0.5})
+    t, tokens = 2.0, 2 * 1024
+    logits_s = 3 * 2 * tokens * parameters(model).output_projection / t / (
+        hardware.peak_flops * matmul_efficiency(model.hidden / t, base))
+    microbatches = 64 / 8 / 2
+    step = lambda a: float(predict_training(model, hardware, layout, assumptions=a).step_s.reshape(-1)[0])  # noqa: E731
+    assert step(slower) - step(base) == pytest.approx(microbatches * logits_s, rel=1e-9)  # twice the time: one more
+
+
+def test_calibrate_writes_a_spec_the_twin_reads(tmp_path):
+    path = tmp_path / "local.yaml"
+    spec = calibrate(2, path)
+    hardware, measured = resolve_hardware(None, path, "fp32")
+    assumptions = resolve_assumptions(None, measured)
+    assert hardware.peak_flops == spec["accelerator"]["peak_flops"]["fp32"] > 0
+    assert 0 < assumptions.output_projection_efficiency <= 1
+    assert assumptions.loss_bytes_per_logit > 0 and assumptions.kernel_overhead_s > 0
+    prediction = predict_training(catalog.model("SmolLM2-135M"), hardware, Layout.of(dp=2, micro_batch=1,
+                                  global_batch=2, seq=128), assumptions=assumptions)
+    assert np.isfinite(prediction.step_s).all()
