@@ -1,5 +1,7 @@
 """`mlsys calibrate`'s spec: what the twin reads back, and the vocabulary projection's measured rate."""
 
+import platform
+
 import numpy as np
 import pytest
 
@@ -24,6 +26,20 @@ def test_the_output_projection_efficiency_slows_the_logits_products_alone():
     assert step(slower) - step(base) == pytest.approx(microbatches * logits_s, rel=1e-9)  # twice the time: one more
 
 
+def test_tensor_parallel_all_reduces_take_their_own_alpha_and_beta():
+    model, hardware = catalog.model("SmolLM2-135M"), resolve_hardware("h100", None, "bf16")[0]
+    layout = Layout.of(dp=1, tp=2, micro_batch=2, global_batch=2, seq=1024)
+    base = resolve_assumptions(None)
+    own = base.override({"tensor_parallel_latency_factor": 0.25, "tensor_parallel_bandwidth_factor": 4})
+    message = 2 * 1024 * model.hidden * 2  # bf16 activations of one microbatch
+    per_all_reduce = lambda bw, alpha: 2 * (1 / 2) * message / bw + 2 * alpha  # noqa: E731 - ring, 2 ranks
+    link_bw = hardware.scale_up_bw * base.scale_up_efficiency
+    tp = lambda a: float(predict_training(model, hardware, layout, assumptions=a).time_s["tensor_parallel"].reshape(-1)[0])  # noqa: E731
+    count = 4 * model.layers
+    assert tp(base) == pytest.approx(count * per_all_reduce(link_bw, base.scale_up_latency_s), rel=1e-9)
+    assert tp(own) == pytest.approx(count * per_all_reduce(4 * link_bw, 0.25 * base.scale_up_latency_s), rel=1e-9)
+
+
 def test_calibrate_writes_a_spec_the_twin_reads(tmp_path):
     path = tmp_path / "local.yaml"
     spec = calibrate(2, path)
@@ -31,6 +47,9 @@ def test_calibrate_writes_a_spec_the_twin_reads(tmp_path):
     assumptions = resolve_assumptions(None, measured)
     assert hardware.peak_flops == spec["accelerator"]["peak_flops"]["fp32"] > 0
     assert 0 < assumptions.output_projection_efficiency <= 1
+    shared = "shared_memory_all_reduce_s_by_bytes" in spec["measured"]  # ranks of one x86 host: TP's own transport
+    assert shared == (platform.machine() in ("x86_64", "AMD64"))
+    assert (assumptions.tensor_parallel_latency_factor, assumptions.tensor_parallel_bandwidth_factor) != (1.0, 1.0) or not shared
     assert assumptions.loss_bytes_per_logit > 0 and assumptions.kernel_overhead_s > 0
     prediction = predict_training(catalog.model("SmolLM2-135M"), hardware, Layout.of(dp=2, micro_batch=1,
                                   global_batch=2, seq=128), assumptions=assumptions)

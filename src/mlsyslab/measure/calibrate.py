@@ -13,7 +13,10 @@ core), each rank measures, at the same time as the others:
 - the per-kernel overhead of eager PyTorch: a tiny op's forward + backward, per op;
 - the loss: cross-entropy forward + backward over fp32 logits, as equivalent bytes per logit;
 - the collective alpha-beta: gloo all-reduce times over 4 KB…16 MB; β from the slope of
-  t = 2(n−1)·α + 2(n−1)/n · M/β, α from the 4 KB time.
+  t = 2(n−1)·α + 2(n−1)/n · M/β, α from the 4 KB time; and the same for the shared-memory all-reduce that tensor
+  parallelism takes between ranks of one x86 host (`comm/shared_memory.py`), as the assumptions
+  `tensor_parallel_latency_factor` and `tensor_parallel_bandwidth_factor` (its α and β over gloo's; 1 where it does
+  not apply).
 The result is a hardware spec (accelerator + system + the fitted assumptions) at
 ~/.cache/mlsyslab/hardware/local.yaml, which `--hardware local` reads.
 """
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from mlsyslab.comm import shared_memory
 from mlsyslab.comm.launch import Rank, spawn
 from mlsyslab.specs.catalog import LOCAL_HARDWARE
 
@@ -50,7 +54,8 @@ def _measure(rank: Rank) -> dict:
     return {"matmul": {w: _matmul_flops(w) for w in WIDTHS}, "bf16_matmul": _matmul_flops(512, torch.bfloat16),
             "output_projection": _matmul_flops(OUTPUT_PROJECTION[0], outputs=OUTPUT_PROJECTION[1]),
             "bandwidth": bandwidth, "loss_bytes_per_logit": _loss_bytes_per_logit(bandwidth),
-            "kernel_s": _kernel_overhead(), "all_reduce": _all_reduce_times(rank)}
+            "kernel_s": _kernel_overhead(), "all_reduce": _all_reduce_times(rank, dist.all_reduce),
+            "shared_memory_all_reduce": _shared_memory_all_reduce_times(rank)}
 
 
 def _best_time(fn, repeats: int = 5, min_s: float = 0.05) -> float:
@@ -114,7 +119,7 @@ def _kernel_overhead() -> float:
     return _best_time(chain) / (3 * ops)  # each op: forward, its backward, the gradient accumulation
 
 
-def _all_reduce_times(rank: Rank) -> dict:
+def _all_reduce_times(rank: Rank, all_reduce) -> dict:
     times = {}
     for size in ALL_REDUCE_BYTES:
         tensor = torch.ones(size // 4)
@@ -122,10 +127,28 @@ def _all_reduce_times(rank: Rank) -> dict:
         for _ in range(7):
             dist.barrier()
             start = time.perf_counter()
-            dist.all_reduce(tensor)
+            all_reduce(tensor)
             samples.append(time.perf_counter() - start)
         times[size] = statistics.median(samples[2:])
     return times
+
+
+def _shared_memory_all_reduce_times(rank: Rank) -> dict | None:
+    """`_all_reduce_times` through the shared-memory all-reduce TP uses here, or None where it does not apply."""
+    reducer = shared_memory.for_group(rank)
+    return None if reducer is None else _all_reduce_times(rank, reducer.all_reduce)
+
+
+def _alpha_beta(measured: list, key: str, n: int) -> tuple[float, float, np.ndarray]:
+    """α, β of the ring all-reduce model fitted to the slowest rank's times under `key`, and those times."""
+    sizes = np.array(ALL_REDUCE_BYTES, float)
+    seconds = np.array([max(m[key][s] for m in measured) for s in ALL_REDUCE_BYTES])
+    _, slope = _fit_line(sizes, seconds)
+    beta = 2 * (n - 1) / n / max(slope, 1e-15)
+    # α from the smallest message, where the bandwidth term is negligible (a regression's intercept is
+    # noisy and can come out negative).
+    alpha = max(seconds[0] - 2 * (n - 1) / n * sizes[0] / beta, 1e-7) / (2 * (n - 1))
+    return alpha, beta, seconds
 
 
 def _spec(nproc: int, threads: int, measured: list) -> dict:
@@ -134,14 +157,10 @@ def _spec(nproc: int, threads: int, measured: list) -> dict:
     eta_max, w_half = _fit_efficiency(np.array(WIDTHS, float), np.array([flops[w] for w in WIDTHS]) / peak)
     bandwidth = statistics.median(m["bandwidth"] for m in measured)
     kernel = statistics.median(m["kernel_s"] for m in measured)
-    sizes = np.array(ALL_REDUCE_BYTES, float)
-    seconds = np.array([max(m["all_reduce"][s] for m in measured) for s in ALL_REDUCE_BYTES])
-    _, slope = _fit_line(sizes, seconds)
     n = max(nproc, 2)
-    beta = 2 * (n - 1) / n / max(slope, 1e-15)
-    # α from the smallest message, where the bandwidth term is negligible (a regression's intercept is
-    # noisy and can come out negative).
-    alpha = max(seconds[0] - 2 * (n - 1) / n * sizes[0] / beta, 1e-7) / (2 * (n - 1))
+    alpha, beta, seconds = _alpha_beta(measured, "all_reduce", n)
+    shared = all(m["shared_memory_all_reduce"] is not None for m in measured)
+    shm_alpha, shm_beta, shm_seconds = _alpha_beta(measured, "shared_memory_all_reduce", n) if shared else (alpha, beta, None)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     accelerator = {
         "name": "local", "aliases": ["this-machine"], "vendor": "this machine", "kind": "cpu",
@@ -159,12 +178,16 @@ def _spec(nproc: int, threads: int, measured: list) -> dict:
                    "memory_bandwidth_efficiency": 1.0, "scale_up_efficiency": 1.0, "scale_out_efficiency": 1.0,
                    "scale_up_latency_s": float(alpha), "scale_out_latency_s": float(alpha),
                    "kernel_overhead_s": float(kernel), "data_parallel_overlap": 0.0,
+                   "tensor_parallel_latency_factor": float(shm_alpha / alpha),
+                   "tensor_parallel_bandwidth_factor": float(shm_beta / beta),
                    "output_projection_efficiency": min(1.0, float(statistics.median(
                        m["output_projection"] for m in measured)) / flops[OUTPUT_PROJECTION[0]]),
                    "loss_bytes_per_logit": float(statistics.median(m["loss_bytes_per_logit"] for m in measured))}
     return {"accelerator": accelerator, "system": system, "assumptions": assumptions,
             "measured": {"matmul_flops_by_width": {int(w): float(f) for w, f in flops.items()},
-                         "all_reduce_s_by_bytes": {int(s): float(t) for s, t in zip(ALL_REDUCE_BYTES, seconds)}}}
+                         "all_reduce_s_by_bytes": {int(s): float(t) for s, t in zip(ALL_REDUCE_BYTES, seconds)},
+                         **({"shared_memory_all_reduce_s_by_bytes": {int(s): float(t) for s, t in
+                                                                     zip(ALL_REDUCE_BYTES, shm_seconds)}} if shared else {})}}
 
 
 def _fit_efficiency(widths: np.ndarray, efficiency: np.ndarray) -> tuple[float, float]:
