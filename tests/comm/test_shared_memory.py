@@ -1,6 +1,6 @@
-"""The shared-memory all-reduce (sum and maximum) equals gloo's, on every rank, for 2, 3 and 4 ranks, several dtypes
-and sizes that span several slots; it leaves nothing in /dev/shm, a rank that never comes makes the others fail in
-time, and ranks that do not map the same segment all keep the process group's all-reduce."""
+"""The shared-memory all-reduce (sum and maximum), all-gather and reduce-scatter equal gloo's, on every rank, for 2, 3
+and 4 ranks, several dtypes and sizes that span several slots; they leave nothing in /dev/shm, a rank that never comes
+makes the others fail in time, and ranks that do not map the same segment all keep the process group's collectives."""
 
 import dataclasses
 import os
@@ -12,17 +12,18 @@ import torch.distributed as dist
 
 from mlsyslab.comm import shared_memory
 from mlsyslab.comm.launch import spawn
-from mlsyslab.comm.shared_memory import SharedMemoryAllReduce
+from mlsyslab.comm.shared_memory import SharedMemoryCollectives
+from mlsyslab.comm.torch_ops import all_gather_single, reduce_scatter_single
 
 pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not shared_memory.SHM.is_dir(),
-                                reason="the shared-memory all-reduce runs on x86-64 Linux only")
+                                reason="the shared-memory collectives run on x86-64 Linux only")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64]
 SIZES = [1, 5, 1003, 4099]  # with 256-byte slots, 4099 fp64 values go through in 129 pieces
 
 
 def _equal_to_gloo(rank):
-    reducer = SharedMemoryAllReduce(rank, slot_bytes=256)
+    reducer = SharedMemoryCollectives(rank, slot_bytes=256)
     problems = []
     for round_ in range(3):  # the flags carry on from call to call
         for dtype in DTYPES:
@@ -50,11 +51,48 @@ def test_shared_memory_all_reduce_equals_gloo_on_every_rank(world):
     assert spawn(_equal_to_gloo, world) == [[]] * world
 
 
+def _gather_and_scatter_equal_gloo(rank):
+    group = SharedMemoryCollectives(rank, slot_bytes=256)
+    n, problems = rank.world_size, []
+    for round_ in range(2):
+        for dtype in DTYPES:
+            for numel in SIZES:  # per rank: a shard, and a reduce-scatter's output
+                generator = torch.Generator().manual_seed(1000 * rank.rank + numel + round_)
+                shard = torch.randint(-16, 16, (numel,), generator=generator).to(dtype)
+                full = torch.randint(-16, 16, (n * numel,), generator=generator).to(dtype)  # exact sums
+                ours, theirs = torch.empty(n * numel, dtype=dtype), torch.empty(n * numel, dtype=dtype)
+                group.all_gather(ours, shard)
+                all_gather_single(theirs, shard)
+                if not torch.equal(ours, theirs):
+                    problems.append(f"rank {rank.rank}: all-gather {dtype} x{numel}")
+                ours, theirs = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+                group.reduce_scatter(ours, full)
+                reduce_scatter_single(theirs, full)
+                if not torch.equal(ours, theirs):
+                    problems.append(f"rank {rank.rank}: reduce-scatter {dtype} x{numel}: {ours[:4].tolist()} != "
+                                    f"{theirs[:4].tolist()}")
+    for call, args, message in ((group.all_gather, (torch.empty(n * 3 + 1), torch.empty(3)), "output: "),
+                                (group.reduce_scatter, (torch.empty(3), torch.empty(n * 3 - 1)), "input: "),
+                                (group.all_gather, (torch.empty(n * 3), torch.empty(3, dtype=torch.float64)), "output: ")):
+        try:
+            call(*args)
+            problems.append(f"{call.__name__} took {[tuple(a.shape) for a in args]}")
+        except ValueError as error:
+            if not str(error).startswith(message):
+                problems.append(str(error))
+    return problems
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_shared_memory_all_gather_and_reduce_scatter_equal_gloo_on_every_rank(world):
+    assert spawn(_gather_and_scatter_equal_gloo, world) == [[]] * world
+
+
 def _segments(rank):
-    before = {path.name for path in shared_memory.SHM.glob("mlsyslab_allreduce_*")}
-    SharedMemoryAllReduce(rank).all_reduce(torch.ones(10))
+    before = {path.name for path in shared_memory.SHM.glob("mlsyslab_collectives_*")}
+    SharedMemoryCollectives(rank).all_reduce(torch.ones(10))
     dist.barrier()
-    return {path.name for path in shared_memory.SHM.glob("mlsyslab_allreduce_*")} - before
+    return {path.name for path in shared_memory.SHM.glob("mlsyslab_collectives_*")} - before
 
 
 def test_the_segment_leaves_no_name_behind():
@@ -62,7 +100,7 @@ def test_the_segment_leaves_no_name_behind():
 
 
 def _late(rank):
-    reducer = SharedMemoryAllReduce(dataclasses.replace(rank, timeout_s=1.0))
+    reducer = SharedMemoryCollectives(dataclasses.replace(rank, timeout_s=1.0))
     if rank.rank == 1:
         return None  # never calls
     with pytest.raises(TimeoutError, match=r"call 1 still waits for ranks \[1\] after 1 s"):
@@ -76,7 +114,7 @@ def test_a_rank_that_never_comes_times_out_naming_it():
 
 def _chosen(rank, switch):
     if switch is not None:
-        os.environ["MLSYS_SHM_ALLREDUCE"] = switch
+        os.environ["MLSYS_SHM_COLLECTIVES"] = switch
     return shared_memory.for_group(rank) is not None
 
 

@@ -1,15 +1,23 @@
-"""All-reduce through shared memory, for the ranks of a group that all run on one x86 host with CPU tensors.
+"""All-reduce, all-gather and reduce-scatter through shared memory, for the ranks of a group that all run on one x86
+host with CPU tensors.
 
 Why: gloo's all-reduce between two processes of this 2-core machine took ~3.5 ms whatever the size (128 KB-2 MB)
 whenever the ranks computed between calls — its TCP loopback and I/O threads wait on the scheduler — and 2.3 ms for
-512 KB back to back (benchmarks/README.md, `tensor.py`). Ranks on one host can instead each write their tensor into
-one shared buffer, wait until every rank has, and each sum all the copies in rank order, as DeepSpeed's CPU
+512 KB back to back (benchmarks/README.md, `tensor.py`); our ZeRO-3 step's backward waited on gloo's all-gathers a
+quarter of its time (`data_parallel.py --profile ours-zero3`). Ranks on one host can instead each write their tensor
+into one shared buffer, wait until every rank has, and each read what it needs from all the copies, as DeepSpeed's CPU
 `inference_all_reduce` (deepspeed/csrc/cpu/comm/shm.cpp) and vLLM's CPU shared-memory communicator do.
 
-Protocol of call n (its sequence number, the same on every rank):
-  1. wait until every rank has read call n - 1 (`read[r] >= n - 1`), copy x into this rank's slot, `written[me] = n`;
-  2. wait until `written[r] >= n` for every rank r; x = slot_0 + slot_1 + ... in rank order (or their elementwise
-     maximum; every rank gets the same bits, as from a collective); `read[me] = n`.
+Protocol of call n (its sequence number, the same on every rank), `_exchange`:
+  1. wait until every rank has read call n - 1 (`read[r] >= n - 1`), write this rank's part into its slot,
+     `written[me] = n`;
+  2. wait until `written[r] >= n` for every rank r, read the slots, `read[me] = n`.
+What is written and read makes the collective:
+  - all-reduce: x into the slot; x = slot_0 + slot_1 + ... in rank order (or their elementwise maximum; every rank
+    gets the same bits, as from a collective);
+  - all-gather: this rank's shard into the slot; output[r] = slot_r;
+  - reduce-scatter: input's n chunks into the slot, one after another; output = the sum of every slot's chunk `me`,
+    in rank order.
 A tensor larger than a slot goes through in slot-sized pieces, each a call. The flags are int64 words on cache lines
 of their own. x86 makes a core's stores visible in program order (TSO), so a rank that sees a flag also sees the
 slot written before it: this transport is used on x86-64 only (elsewhere, and for CUDA tensors or ranks on several
@@ -18,7 +26,8 @@ than cores a spinning rank would hold the core of the rank it waits for), and gi
 The segment lives in /dev/shm only until every rank has mapped it: rank 0 of the group then unlinks its name, so
 nothing is left behind whatever way the processes end. Each rank checks that it mapped rank 0's segment (a token rank 0
 wrote; a rank on another host with the same host name would map a new, empty file): if any did not, every rank keeps
-the process group's all-reduce. Tested against gloo's all-reduce in tests/comm/test_shared_memory.py.
+the process group's collectives. Calls are synchronous: every rank of the group must make them in the same order (as
+for the process group's). Tested against gloo's collectives in tests/comm/test_shared_memory.py.
 """
 
 from __future__ import annotations
@@ -45,16 +54,16 @@ class NotShared(RuntimeError):
     """Some rank of the group did not map the same segment as rank 0 (raised on every rank alike)."""
 
 
-class SharedMemoryAllReduce:
-    """Sum (or maximum) of a CPU tensor over the ranks of `rank.group`, through a segment they all map (module
-    docstring)."""
+class SharedMemoryCollectives:
+    """All-reduce, all-gather and reduce-scatter of CPU tensors over the ranks of `rank.group`, through a segment they
+    all map (module docstring)."""
 
     def __init__(self, rank: Rank, slot_bytes: int = SLOT_BYTES):
         self.rank, self.size, self.slot_bytes = rank, rank.world_size, slot_bytes
         self.calls = 0
         names = [uuid.uuid4().hex if rank.rank == 0 else None]
         dist.broadcast_object_list(names, src=rank.global_rank(0), group=rank.group)
-        path, token = SHM / f"mlsyslab_allreduce_{names[0]}", bytes.fromhex(names[0])
+        path, token = SHM / f"mlsyslab_collectives_{names[0]}", bytes.fromhex(names[0])
         flag_bytes = 2 * self.size * 64
         total = 64 + flag_bytes + self.size * slot_bytes  # a line for rank 0's token, the flags, the slots
         if rank.rank == 0:
@@ -85,27 +94,53 @@ class SharedMemoryAllReduce:
     def all_reduce(self, x: torch.Tensor, maximum: bool = False) -> None:
         """x = the sum (`maximum`: the elementwise maximum) of every rank's x, in place (x contiguous, on the CPU, the
         same shape and dtype everywhere)."""
-        if not x.is_contiguous() or x.device.type != "cpu":
-            raise ValueError(f"x: a contiguous CPU tensor, got {'non-contiguous' if x.device.type == 'cpu' else x.device}")
-        flat = x.view(-1).view(torch.uint8)
-        for begin in range(0, flat.numel(), self.slot_bytes):
-            self._reduce_piece(x.view(-1), flat[begin:begin + self.slot_bytes], begin // x.element_size(), maximum)
+        flat = _flat(x, "x")
+        per = self.slot_bytes // x.element_size()
+        for first in range(0, flat.numel(), per):
+            values = flat[first:first + per]
+            self._exchange(lambda slot: slot.view(x.dtype)[:values.numel()].copy_(values),
+                           lambda slots: _combine(values, slots.view(x.dtype)[:, :values.numel()], maximum))
 
-    def _reduce_piece(self, x: torch.Tensor, piece: torch.Tensor, first: int, maximum: bool) -> None:
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
+        """output = every rank's shard, in rank order (`all_gather_into_tensor`: output has world size x shard's
+        elements, both contiguous CPU tensors of one dtype)."""
+        flat, out = _flat(shard, "shard"), _flat(output, "output")
+        if out.numel() != self.size * flat.numel() or output.dtype != shard.dtype:
+            raise ValueError(f"output: {self.size} x {flat.numel()} elements of {shard.dtype}, got {output.numel()} "
+                             f"of {output.dtype}")
+        gathered = out.view(self.size, -1)
+        per = self.slot_bytes // shard.element_size()
+        for first in range(0, flat.numel(), per):
+            piece = flat[first:first + per]
+            self._exchange(lambda slot: slot.view(shard.dtype)[:piece.numel()].copy_(piece),
+                           lambda slots: gathered[:, first:first + piece.numel()].copy_(
+                               slots.view(shard.dtype)[:, :piece.numel()]))
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """output = the sum over ranks of chunk `rank` of input (`reduce_scatter_tensor`: input has world size x
+        output's elements, both contiguous CPU tensors of one dtype), summed in rank order."""
+        out, full = _flat(output, "output"), _flat(input, "input")
+        if full.numel() != self.size * out.numel() or output.dtype != input.dtype:
+            raise ValueError(f"input: {self.size} x {out.numel()} elements of {output.dtype}, got {input.numel()} "
+                             f"of {input.dtype}")
+        chunks = full.view(self.size, -1)
+        per, me = self.slot_bytes // input.element_size() // self.size, self.rank.rank
+        for first in range(0, out.numel(), per):
+            count = min(per, out.numel() - first)
+            self._exchange(lambda slot: slot.view(input.dtype)[:self.size * count].view(self.size, count).copy_(
+                               chunks[:, first:first + count]),
+                           lambda slots: _combine(out[first:first + count],
+                                                  slots.view(input.dtype)[:, me * count:(me + 1) * count], False))
+
+    def _exchange(self, write, read) -> None:
+        """One call of the protocol: write(this rank's slot, bytes), then read(every slot, [ranks, bytes])."""
         self.calls += 1
         n, me = self.calls, self.rank.rank
         self._wait(self.read, n - 1)
-        self.slots[me, :piece.numel()].copy_(piece)
+        write(self.slots[me])
         self.written[me] = n
         self._wait(self.written, n)
-        values = x[first:first + piece.numel() // x.element_size()]
-        slots = self.slots[:, :piece.numel()].view(x.dtype)
-        values.copy_(slots[0])
-        for other in range(1, self.size):
-            if maximum:
-                torch.maximum(values, slots[other], out=values)
-            else:
-                values.add_(slots[other])
+        read(self.slots)
         self.read[me] = n
 
     def _wait(self, flags: torch.Tensor, n: int) -> None:
@@ -115,27 +150,44 @@ class SharedMemoryAllReduce:
             if spins > SPINS_BEFORE_YIELD:
                 os.sched_yield()
                 if spins % 4096 == 0 and time.monotonic() > deadline:
-                    raise TimeoutError(f"shared-memory all-reduce: call {n} still waits for ranks "
+                    raise TimeoutError(f"shared-memory collectives: call {n} still waits for ranks "
                                        f"{(flags < n).nonzero().flatten().tolist()} after {self.rank.timeout_s:.0f} s")
 
 
-_REDUCERS: dict[tuple, SharedMemoryAllReduce | None] = {}
+_GROUPS: dict[tuple, SharedMemoryCollectives | None] = {}
 
 
-def for_group(rank: Rank) -> SharedMemoryAllReduce | None:
-    """The group's shared-memory all-reduce, made at the group's first call (a collective: every rank of the group
-    calls in the same order), or None where it does not apply or MLSYS_SHM_ALLREDUCE=0 (then the process group's)."""
+def for_group(rank: Rank) -> SharedMemoryCollectives | None:
+    """The group's shared-memory collectives, made at the group's first call (a collective: every rank of the group
+    calls in the same order), or None where they do not apply or MLSYS_SHM_COLLECTIVES=0 (then the process
+    group's)."""
     key = (id(rank.group), rank.peers)
-    if key not in _REDUCERS:
-        wanted = os.environ.get("MLSYS_SHM_ALLREDUCE", "1") != "0" and rank.world_size > 1
-        _REDUCERS[key] = None
-        if wanted and SharedMemoryAllReduce.applies(rank):
+    if key not in _GROUPS:
+        wanted = os.environ.get("MLSYS_SHM_COLLECTIVES", "1") != "0" and rank.world_size > 1
+        _GROUPS[key] = None
+        if wanted and SharedMemoryCollectives.applies(rank):
             try:
-                _REDUCERS[key] = SharedMemoryAllReduce(rank)
+                _GROUPS[key] = SharedMemoryCollectives(rank)
             except NotShared:  # every rank raises it alike (the check is gathered): all keep the process group's
                 pass
-    return _REDUCERS[key]
+    return _GROUPS[key]
 
 
 def _usable(rank: Rank) -> bool:
     return rank.device.type == "cpu" and platform.machine() in ("x86_64", "AMD64") and SHM.is_dir()
+
+
+def _flat(x: torch.Tensor, name: str) -> torch.Tensor:
+    if not x.is_contiguous() or x.device.type != "cpu":
+        raise ValueError(f"{name}: a contiguous CPU tensor, got {'non-contiguous' if x.device.type == 'cpu' else x.device}")
+    return x.view(-1)
+
+
+def _combine(values: torch.Tensor, slots: torch.Tensor, maximum: bool) -> None:
+    """values = slots[0] + slots[1] + ... in rank order (`maximum`: their elementwise maximum)."""
+    values.copy_(slots[0])
+    for other in slots[1:]:
+        if maximum:
+            torch.maximum(values, other, out=values)
+        else:
+            values.add_(other)

@@ -10,7 +10,9 @@ tensor that lives in the gathered buffer by a small handle; when the gradient re
 output the buffer is gathered again (prefetching the unit before it) and the handles resolve into
 it. The unit's gradient is then reduce-scattered into this rank's slice. Per step every parameter
 crosses the wire three times: all-gather forward, all-gather backward, reduce-scatter:
-3·Ψ·(N−1)/N elements per rank. At most two units are gathered at once (predict counts two layers).
+3·Ψ·(N−1)/N elements per rank. At most two units are gathered at once (predict counts two layers). Ranks of one
+x86 host gather and reduce-scatter through shared memory (`comm/shared_memory.py`), synchronously: a prefetch then
+completes when issued.
 Twin: predict.memory (16Ψ/N, two gathered layers), predict.training (3Ψ data-parallel volume).
 Held against DDP and the byte-exact prediction in tests/parallel/test_zero.py.
 """
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mlsyslab.comm import shared_memory
 from mlsyslab.comm.launch import Rank
 from mlsyslab.comm.log import CommLog, nbytes, traced
 from mlsyslab.comm.p2p import Pending
@@ -33,6 +36,9 @@ class PartitionedParameters:
         """Partition `parameters` (default: all of `module`'s) over `rank`'s group; the unit gradients'
         sums are divided by `divisor` (default: the group's size)."""
         self.rank, self.log, self.divisor = rank, log, divisor or rank.world_size
+        # ranks of one x86 host gather and reduce-scatter through shared memory, synchronously: gloo's wake-ups had the
+        # backward wait on its all-gathers a quarter of the step (benchmarks/README.md); elsewhere the process group's
+        self.shared = shared_memory.for_group(rank)
         module.register_forward_pre_hook(self._new_forward)  # before any unit's own hook
         chosen = None if parameters is None else {id(p) for p in parameters}
         self.units = [_Unit(self, slots, hooks, dtype) for slots, hooks in _group(module, units, chosen)]
@@ -79,6 +85,10 @@ class PartitionedParameters:
     def gather(self, unit: "_Unit") -> Pending:
         """Start the all-gather of `unit`'s full buffer from every rank's slice."""
         buffer = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
+        if self.shared is not None:
+            traced(self.log, "all_gather", nbytes(buffer), self.rank.world_size, self.shared.all_gather, buffer,
+                   unit.shard.detach())
+            return Pending([], self.rank, "ZeRO-3 parameter all-gather", (unit.padded,), (buffer,))
         work = traced(self.log, "all_gather", nbytes(buffer), self.rank.world_size, all_gather_single,
                       buffer, unit.shard.detach(), group=self.rank.group, async_op=True)
         return Pending([work], self.rank, "ZeRO-3 parameter all-gather", (unit.padded,), (buffer,))
@@ -210,9 +220,13 @@ class _Unit:
         owner = self.owner
         gradient = gradient.contiguous()
         mine = torch.empty_like(self.shard)
-        work = traced(owner.log, "reduce_scatter", nbytes(gradient), owner.rank.world_size, reduce_scatter_single,
-                      mine, gradient, group=owner.rank.group, async_op=True)
-        Pending([work], owner.rank, "ZeRO-3 gradient reduce-scatter", tuple(gradient.shape)).wait()
+        if owner.shared is not None:
+            traced(owner.log, "reduce_scatter", nbytes(gradient), owner.rank.world_size, owner.shared.reduce_scatter,
+                   mine, gradient)
+        else:
+            work = traced(owner.log, "reduce_scatter", nbytes(gradient), owner.rank.world_size, reduce_scatter_single,
+                          mine, gradient, group=owner.rank.group, async_op=True)
+            Pending([work], owner.rank, "ZeRO-3 gradient reduce-scatter", tuple(gradient.shape)).wait()
         self.backward_buffer = None
         return mine.div_(owner.divisor)
 
