@@ -9,8 +9,8 @@ parameters, 2·Ψ·(N−1)/N elements; stage 3 gathers parameters twice more per
 Layout: parameters are grouped into buckets (about `bucket_bytes`, reverse registration order ≈ the
 order backward produces gradients); each bucket is one flat buffer padded to a multiple of N, and
 rank r owns slice r of every bucket (so a bucket's gradients are reduce-scattered the moment they
-are ready, overlapping the rest of backward on the process group; ranks of one x86 host reduce-scatter
-and all-gather through shared memory instead, `comm/shared_memory.py`, synchronously). Ψ above counts that padding. The optimizer (any
+are ready, overlapping the rest of backward on the process group; ranks of one x86 host that only do data
+parallelism reduce-scatter and all-gather through shared memory instead, `comm/shared_memory.py`, synchronously). Ψ above counts that padding. The optimizer (any
 torch.optim class, via `optimizer_factory`) steps only over this rank's slices: fp32 master copies
 under mixed precision (bf16 compute), or views of the flat fp32 buffers themselves. With
 `offload=True` the master slices, the optimizer state and the step live on the CPU (on a CPU-only
@@ -70,7 +70,7 @@ class ZeroDataParallel(nn.Module):
             single = {id(p) for p in alone}
             groups = [[p] for p in params[::-1] if id(p) in single]
             groups += bucket_parameters([p for p in params[::-1] if id(p) not in single], bucket_bytes)
-            shared = shared_memory.for_group(rank)  # ranks of one x86 host: the collectives through shared memory
+            shared = shared_memory_for_data_parallel(rank)
             self.buckets = [_FlatBucket(b, rank, self.compute_dtype, stage, divisor, shared) for b in groups]
             slices = [b.slice for b in self.buckets]
             self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -186,6 +186,14 @@ class ZeroDataParallel(nn.Module):
                 bucket.reduce_scatter_gradients(self.log)
             bucket.finish_reduce()
         self._callback_queued = False
+
+
+def shared_memory_for_data_parallel(rank: Rank) -> shared_memory.SharedMemoryCollectives | None:
+    """ZeRO's collectives through shared memory (synchronous) where the ranks share an x86 host and data parallelism
+    is all they do; inside a mesh (a group other than the world) the process group's asynchronous ones: a rank blocked
+    in a synchronous gather while its peer waits for it in another group's point-to-point (ring attention's, the
+    pipeline's) would never return."""
+    return shared_memory.for_group(rank) if rank.group is None else None
 
 
 class _FlatBucket:

@@ -11,8 +11,8 @@ output the buffer is gathered again (prefetching the unit before it) and the han
 it. The unit's gradient is then reduce-scattered into this rank's slice. Per step every parameter
 crosses the wire three times: all-gather forward, all-gather backward, reduce-scatter:
 3·Ψ·(N−1)/N elements per rank. At most two units are gathered at once (predict counts two layers). Ranks of one
-x86 host gather and reduce-scatter through shared memory (`comm/shared_memory.py`), synchronously: a prefetch then
-completes when issued.
+x86 host that only do data parallelism gather and reduce-scatter through shared memory (`comm/shared_memory.py`,
+`zero.shared_memory_for_data_parallel`), synchronously: a prefetch then completes when issued.
 Twin: predict.memory (16Ψ/N, two gathered layers), predict.training (3Ψ data-parallel volume).
 Held against DDP and the byte-exact prediction in tests/parallel/test_zero.py.
 """
@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mlsyslab.comm import shared_memory
 from mlsyslab.comm.launch import Rank
 from mlsyslab.comm.log import CommLog, nbytes, traced
 from mlsyslab.comm.p2p import Pending
 from mlsyslab.comm.torch_ops import all_gather_single, reduce_scatter_single
 from mlsyslab.errors import InvalidValue
+from mlsyslab.parallel.zero import shared_memory_for_data_parallel
 
 
 class PartitionedParameters:
@@ -38,7 +38,7 @@ class PartitionedParameters:
         self.rank, self.log, self.divisor = rank, log, divisor or rank.world_size
         # ranks of one x86 host gather and reduce-scatter through shared memory, synchronously: gloo's wake-ups had the
         # backward wait on its all-gathers a quarter of the step (benchmarks/README.md); elsewhere the process group's
-        self.shared = shared_memory.for_group(rank)
+        self.shared = shared_memory_for_data_parallel(rank)
         module.register_forward_pre_hook(self._new_forward)  # before any unit's own hook
         chosen = None if parameters is None else {id(p) for p in parameters}
         self.units = [_Unit(self, slots, hooks, dtype) for slots, hooks in _group(module, units, chosen)]
