@@ -31,7 +31,7 @@ TRIM_THRESHOLD_BYTES = 2**31 - 1  # mallopt takes an int
 
 def keep_freed_memory() -> bool:
     """Serve blocks under 1 GiB from the heap and never trim it (glibc `mallopt`); whether it was set."""
-    if platform.libc_ver()[0] != "glibc" or os.environ.get("MLSYS_KEEP_HEAP", "1") == "0":
+    if platform.libc_ver()[0] != "glibc" or _switched_off():
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
@@ -40,6 +40,10 @@ def keep_freed_memory() -> bool:
 
 def environment() -> dict[str, str]:
     """`keep_freed_memory()` as glibc's environment variables (empty under MLSYS_KEEP_HEAP=0)."""
-    if os.environ.get("MLSYS_KEEP_HEAP", "1") == "0":
+    if _switched_off():
         return {}
     return {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_BYTES)}
+
+
+def _switched_off() -> bool:
+    return os.environ.get("MLSYS_KEEP_HEAP", "1") == "0"

@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 
 from mlsyslab.comm.launch import Rank
+from mlsyslab.comm.log import CommLog, nbytes, traced
+from mlsyslab.comm.torch_ops import all_gather_single, reduce_scatter_single
 
 SLOT_BYTES = 4 << 20  # per rank: a piece of up to 4 MB per call
 WORD = 8  # int64 flags, one per 64-byte line
@@ -191,3 +193,15 @@ def _combine(values: torch.Tensor, slots: torch.Tensor, maximum: bool) -> None:
             torch.maximum(values, other, out=values)
         else:
             values.add_(other)
+
+
+def start_sharded(log: CommLog | None, op: str, shared: SharedMemoryCollectives | None, rank: Rank,
+                  output: torch.Tensor, input: torch.Tensor) -> list:
+    """`op` ("all_gather" or "reduce_scatter") of `input` into `output` over `rank.group`, logged: through `shared`,
+    done on return (no work to wait for), or started on the process group (its work, in a list)."""
+    full = output if op == "all_gather" else input
+    if shared is not None:
+        traced(log, op, nbytes(full), rank.world_size, getattr(shared, op), output, input)
+        return []
+    single = all_gather_single if op == "all_gather" else reduce_scatter_single
+    return [traced(log, op, nbytes(full), rank.world_size, single, output, input, group=rank.group, async_op=True)]

@@ -31,7 +31,6 @@ from mlsyslab.comm import shared_memory
 from mlsyslab.comm.launch import Rank
 from mlsyslab.comm.log import CommLog, nbytes, traced
 from mlsyslab.comm.p2p import Pending
-from mlsyslab.comm.torch_ops import all_gather_single, reduce_scatter_single
 from mlsyslab.errors import InvalidValue
 from mlsyslab.parallel.buckets import bucket_parameters
 
@@ -61,16 +60,22 @@ class ZeroDataParallel(nn.Module):
         with torch.no_grad():  # every rank starts from the group's first rank's weights
             for tensor in [*params, *(module.buffers() if parameters is None else ())]:
                 traced(log, "broadcast", nbytes(tensor), n, dist.broadcast, tensor, group=rank.group, group_src=0)
+        # ranks of one x86 host that only do data parallelism: the collectives through shared memory, synchronously
+        # (gloo's wake-ups had ZeRO-3's backward wait on its all-gathers a quarter of the step: benchmarks/README.md);
+        # inside a mesh (a group other than the world) the process group's asynchronous ones: a rank blocked in a
+        # synchronous gather while its peer waits for it in another group's point-to-point (ring attention's, the
+        # pipeline's) would never return
+        shared = shared_memory.for_group(rank) if rank.group is None else None
         if stage == 3:
             from mlsyslab.parallel.zero3 import PartitionedParameters
 
-            self.partition = PartitionedParameters(module, rank, self.compute_dtype, log, units, params, divisor)
+            self.partition = PartitionedParameters(module, rank, self.compute_dtype, log, units, params, divisor,
+                                                   shared)
             slices = self.partition.shards
         else:
             single = {id(p) for p in alone}
             groups = [[p] for p in params[::-1] if id(p) in single]
             groups += bucket_parameters([p for p in params[::-1] if id(p) not in single], bucket_bytes)
-            shared = shared_memory_for_data_parallel(rank)
             self.buckets = [_FlatBucket(b, rank, self.compute_dtype, stage, divisor, shared) for b in groups]
             slices = [b.slice for b in self.buckets]
             self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -188,14 +193,6 @@ class ZeroDataParallel(nn.Module):
         self._callback_queued = False
 
 
-def shared_memory_for_data_parallel(rank: Rank) -> shared_memory.SharedMemoryCollectives | None:
-    """ZeRO's collectives through shared memory (synchronous) where the ranks share an x86 host and data parallelism
-    is all they do; inside a mesh (a group other than the world) the process group's asynchronous ones: a rank blocked
-    in a synchronous gather while its peer waits for it in another group's point-to-point (ring attention's, the
-    pipeline's) would never return."""
-    return shared_memory.for_group(rank) if rank.group is None else None
-
-
 class _FlatBucket:
     """Parameters that live as views of one flat buffer padded to a multiple of N; rank r owns slice r."""
 
@@ -238,13 +235,7 @@ class _FlatBucket:
                     p.grad = None
                 offset += p.numel()
         self._incoming = torch.empty_like(self.slice)
-        if self.shared is not None:
-            traced(log, "reduce_scatter", nbytes(source), self.rank.world_size, self.shared.reduce_scatter,
-                   self._incoming, source)
-            works = []
-        else:
-            works = [traced(log, "reduce_scatter", nbytes(source), self.rank.world_size, reduce_scatter_single,
-                            self._incoming, source, group=self.rank.group, async_op=True)]
+        works = shared_memory.start_sharded(log, "reduce_scatter", self.shared, self.rank, self._incoming, source)
         self.pending = Pending(works, self.rank, "ZeRO gradient reduce-scatter", tuple(source.shape), (source,))
 
     def finish_reduce(self) -> None:
@@ -260,11 +251,8 @@ class _FlatBucket:
 
     def gather_parameters(self, log: CommLog | None) -> None:
         mine = self.slice.clone()
-        if self.shared is not None:
-            traced(log, "all_gather", nbytes(self.flat), self.rank.world_size, self.shared.all_gather, self.flat, mine)
-        else:
-            traced(log, "all_gather", nbytes(self.flat), self.rank.world_size, all_gather_single, self.flat,
-                   mine, group=self.rank.group)
+        works = shared_memory.start_sharded(log, "all_gather", self.shared, self.rank, self.flat, mine)
+        Pending(works, self.rank, "ZeRO parameter all-gather", tuple(self.flat.shape), (mine,)).wait()
 
     def zero_grad(self) -> None:
         self.slice_grad = None

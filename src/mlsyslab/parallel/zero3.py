@@ -12,7 +12,7 @@ it. The unit's gradient is then reduce-scattered into this rank's slice. Per ste
 crosses the wire three times: all-gather forward, all-gather backward, reduce-scatter:
 3·Ψ·(N−1)/N elements per rank. At most two units are gathered at once (predict counts two layers). Ranks of one
 x86 host that only do data parallelism gather and reduce-scatter through shared memory (`comm/shared_memory.py`,
-`zero.shared_memory_for_data_parallel`), synchronously: a prefetch then completes when issued.
+chosen by `ZeroDataParallel`), synchronously: a prefetch then completes when issued.
 Twin: predict.memory (16Ψ/N, two gathered layers), predict.training (3Ψ data-parallel volume).
 Held against DDP and the byte-exact prediction in tests/parallel/test_zero.py.
 """
@@ -23,22 +23,20 @@ import torch
 from torch import nn
 
 from mlsyslab.comm.launch import Rank
-from mlsyslab.comm.log import CommLog, nbytes, traced
+from mlsyslab.comm.log import CommLog
 from mlsyslab.comm.p2p import Pending
-from mlsyslab.comm.torch_ops import all_gather_single, reduce_scatter_single
+from mlsyslab.comm.shared_memory import SharedMemoryCollectives, start_sharded
 from mlsyslab.errors import InvalidValue
-from mlsyslab.parallel.zero import shared_memory_for_data_parallel
 
 
 class PartitionedParameters:
     def __init__(self, module: nn.Module, rank: Rank, dtype: torch.dtype, log: CommLog | None, units=None,
-                 parameters: list | None = None, divisor: int | None = None):
+                 parameters: list | None = None, divisor: int | None = None,
+                 shared: SharedMemoryCollectives | None = None):
         """Partition `parameters` (default: all of `module`'s) over `rank`'s group; the unit gradients'
-        sums are divided by `divisor` (default: the group's size)."""
-        self.rank, self.log, self.divisor = rank, log, divisor or rank.world_size
-        # ranks of one x86 host gather and reduce-scatter through shared memory, synchronously: gloo's wake-ups had the
-        # backward wait on its all-gathers a quarter of the step (benchmarks/README.md); elsewhere the process group's
-        self.shared = shared_memory_for_data_parallel(rank)
+        sums are divided by `divisor` (default: the group's size). `shared`: the group's shared-memory
+        collectives (synchronous), or None for the process group's."""
+        self.rank, self.log, self.divisor, self.shared = rank, log, divisor or rank.world_size, shared
         module.register_forward_pre_hook(self._new_forward)  # before any unit's own hook
         chosen = None if parameters is None else {id(p) for p in parameters}
         self.units = [_Unit(self, slots, hooks, dtype) for slots, hooks in _group(module, units, chosen)]
@@ -85,13 +83,8 @@ class PartitionedParameters:
     def gather(self, unit: "_Unit") -> Pending:
         """Start the all-gather of `unit`'s full buffer from every rank's slice."""
         buffer = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
-        if self.shared is not None:
-            traced(self.log, "all_gather", nbytes(buffer), self.rank.world_size, self.shared.all_gather, buffer,
-                   unit.shard.detach())
-            return Pending([], self.rank, "ZeRO-3 parameter all-gather", (unit.padded,), (buffer,))
-        work = traced(self.log, "all_gather", nbytes(buffer), self.rank.world_size, all_gather_single,
-                      buffer, unit.shard.detach(), group=self.rank.group, async_op=True)
-        return Pending([work], self.rank, "ZeRO-3 parameter all-gather", (unit.padded,), (buffer,))
+        works = start_sharded(self.log, "all_gather", self.shared, self.rank, buffer, unit.shard.detach())
+        return Pending(works, self.rank, "ZeRO-3 parameter all-gather", (unit.padded,), (buffer,))
 
     def neighbour(self, unit: "_Unit", step: int):
         if unit not in self.order:
@@ -220,13 +213,8 @@ class _Unit:
         owner = self.owner
         gradient = gradient.contiguous()
         mine = torch.empty_like(self.shard)
-        if owner.shared is not None:
-            traced(owner.log, "reduce_scatter", nbytes(gradient), owner.rank.world_size, owner.shared.reduce_scatter,
-                   mine, gradient)
-        else:
-            work = traced(owner.log, "reduce_scatter", nbytes(gradient), owner.rank.world_size, reduce_scatter_single,
-                          mine, gradient, group=owner.rank.group, async_op=True)
-            Pending([work], owner.rank, "ZeRO-3 gradient reduce-scatter", tuple(gradient.shape)).wait()
+        works = start_sharded(owner.log, "reduce_scatter", owner.shared, owner.rank, mine, gradient)
+        Pending(works, owner.rank, "ZeRO-3 gradient reduce-scatter", tuple(gradient.shape)).wait()
         self.backward_buffer = None
         return mine.div_(owner.divisor)
 
