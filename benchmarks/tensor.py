@@ -15,6 +15,11 @@ one training step = forward, loss, backward:
   and the loss under `loss_parallel()`; attention's head counts divided by TP as in torch's tutorial.
 Both start from the same weights; their first losses must agree (printed). The time is the slowest
 rank's, median (best) of 10 steps after 3 warm-ups, the three alternating step by step.
+
+The matmul floor bounds what any TP can gain over another: the step's matmul FLOPs per rank (counted by torch's
+`FlopCounterMode` on our step; attention's, which it does not count on CPU, left out) over the best one-thread GEMM rate
+measured in the same run, on both ranks at once, in the step's own shapes. Attention, the elementwise ops and the
+all-reduces are left out, so the floor is generous and "DTensor / floor" is an upper bound on DTensor / ours.
 """
 
 import argparse
@@ -29,6 +34,7 @@ from record import ROOT, OtherProcesses, machine, save  # benchmarks/record.py
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+from torch.utils.flop_counter import FlopCounterMode
 
 from mlsyslab.comm.launch import spawn
 from mlsyslab.nn.llama import Llama, LlamaConfig
@@ -97,7 +103,26 @@ def run_config(rank, config: LlamaConfig, batch: int, seq: int, warmups: int, st
             first.setdefault(who, loss)
             if step >= warmups:
                 times[who].append(elapsed)
-    return {"times": times, "first_loss": first}
+    with FlopCounterMode(display=False) as counter:
+        ours_step("ours")
+    return {"times": times, "first_loss": first, "matmul_flops": counter.get_total_flops(),
+            "gemm_flops_per_s": best_gemm_rate(config, batch * seq, rank.world_size)}
+
+
+def best_gemm_rate(config: LlamaConfig, tokens: int, tp: int, repeats: int = 20) -> float:
+    """The best FLOP/s of this rank's thread over the step's larger matmul shapes (rows x inner x columns, as
+    `torch.mm` multiplies them), every rank at once as in the step."""
+    shapes = [(tokens, config.hidden, config.ffn_hidden // tp), (tokens, config.ffn_hidden // tp, config.hidden),
+              (config.ffn_hidden // tp, tokens, config.hidden), (tokens, config.hidden, config.vocab // tp)]
+    best = 0.0
+    for rows, inner, columns in shapes:
+        left, right = torch.randn(rows, inner), torch.randn(inner, columns)
+        dist.barrier()
+        for _ in range(repeats):
+            began = time.perf_counter()
+            torch.mm(left, right)
+            best = max(best, 2 * rows * inner * columns / (time.perf_counter() - began))
+    return best
 
 
 def main() -> None:
@@ -119,19 +144,25 @@ def main() -> None:
                     f"first_loss_{key}": ranks[0][name]["first_loss"][who]}
         row["speedup_median"] = row["torch_median_s"] / row["ours_median_s"]
         row["speedup_gloo_median"] = row["torch_median_s"] / row["ours_gloo_median_s"]
+        row["matmul_gflop_per_rank"] = max(r[name]["matmul_flops"] for r in ranks) / 1e9
+        row["gemm_gflop_per_s"] = min(r[name]["gemm_flops_per_s"] for r in ranks) / 1e9
+        row["matmul_floor_s"] = row["matmul_gflop_per_rank"] / row["gemm_gflop_per_s"]
+        row["speedup_ceiling"] = row["torch_median_s"] / row["matmul_floor_s"]
         out["rows"].append(row)
     save(out, args.output, print_table)
 
 
 def print_table(out: dict) -> None:
     print(f"# tensor parallel, {out['date_utc']}, TP=2")
-    print("| model | ours median (best) | ours on gloo | DTensor | DTensor / ours | DTensor / ours on gloo | first losses |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+    print("| model | ours median (best) | ours on gloo | DTensor | DTensor / ours | DTensor / ours on gloo | matmul floor "
+          "| DTensor / floor | first losses |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in out["rows"]:
         times = " | ".join(f"{r[f'{KEYS[who]}_median_s'] * 1e3:.1f} ms ({r[f'{KEYS[who]}_best_s'] * 1e3:.1f})" for who in WHO)
         losses = " / ".join(f"{r[f'first_loss_{KEYS[who]}']:.6f}" for who in WHO)
         print(f"| {r['model']}, {r['batch']} x {r['seq']} | {times} | {r['speedup_median']:.2f}x | "
-              f"{r['speedup_gloo_median']:.2f}x | {losses} |")
+              f"{r['speedup_gloo_median']:.2f}x | {r['matmul_floor_s'] * 1e3:.1f} ms ({r['matmul_gflop_per_rank']:.1f} GFLOP at "
+              f"{r['gemm_gflop_per_s']:.0f} GFLOP/s) | {r['speedup_ceiling']:.2f}x | {losses} |")
 
 
 if __name__ == "__main__":
