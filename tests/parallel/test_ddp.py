@@ -1,4 +1,7 @@
-"""Our DDP equals torch DDP and single-process training on the full batch; it moves 2(N−1)/N·Ψ."""
+"""Our DDP equals torch DDP and single-process training on the full batch, through shared memory (one host) and through
+the process group (MLSYS_SHM_COLLECTIVES=0, as on GPUs or several hosts); it moves 2(N−1)/N·Ψ."""
+
+import os
 
 import pytest
 import torch
@@ -13,11 +16,13 @@ from tests.parallel.models import TinyLM, adam, train_loop, train_single
 STEPS, ACCUMULATE = 4, 2
 
 
-def _train(rank, which: str):
+def _train(rank, which: str, transport: str = "shared memory"):
     log = CommLog()
     model = TinyLM(seed=rank.rank)  # different init per rank: the start-up broadcast must fix it
     if which == "ours":
+        os.environ["MLSYS_SHM_COLLECTIVES"] = "1" if transport == "shared memory" else "0"
         wrapped = DataParallel(model, rank, bucket_bytes=2_000, log=log)
+        assert (wrapped.shared is not None) == (transport == "shared memory"), transport
     else:
         torch.manual_seed(0)
         wrapped = TorchDDP(model)
@@ -27,8 +32,8 @@ def _train(rank, which: str):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, log.as_dict()
 
 
-def _train_both(rank):
-    return _train(rank, "ours"), _train(rank, "torch")
+def _train_both(rank, transport: str):
+    return _train(rank, "ours", transport), _train(rank, "torch")
 
 
 def assert_close_to(a: dict, b: dict, relative: float = 1e-6):
@@ -38,10 +43,11 @@ def assert_close_to(a: dict, b: dict, relative: float = 1e-6):
         assert error <= relative, (name, error.item())
 
 
+@pytest.mark.parametrize("transport", ["shared memory", "process group"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_ddp_equals_single_process_and_torch_ddp(world):
+def test_ddp_equals_single_process_and_torch_ddp(world, transport):
     reference, reference_losses = train_single(STEPS, adam, ACCUMULATE)
-    runs = spawn(_train_both, world)
+    runs = spawn(_train_both, world, transport)
     ours, theirs = [r[0] for r in runs], [r[1] for r in runs]
     for rank in range(world):
         assert_close_to(ours[rank][0], reference)

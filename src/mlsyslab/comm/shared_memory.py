@@ -175,6 +175,14 @@ def for_group(rank: Rank) -> SharedMemoryCollectives | None:
     return _GROUPS[key]
 
 
+def for_data_parallel(rank: Rank) -> SharedMemoryCollectives | None:
+    """The shared-memory collectives for DDP's and ZeRO's gradients and weights where data parallelism is all the ranks
+    do (`rank.group` is the world), else None (the process group's, asynchronous). Through shared memory they are
+    synchronous: inside a mesh a rank blocked in one would never return while its peer waits for it in another group's
+    point-to-point (ring attention's, the pipeline's)."""
+    return for_group(rank) if rank.group is None else None
+
+
 def _usable(rank: Rank) -> bool:
     return rank.device.type == "cpu" and platform.machine() in ("x86_64", "AMD64") and SHM.is_dir()
 

@@ -4,7 +4,8 @@ Every rank holds the whole model and a slice of the batch. At start rank 0's par
 broadcast; during backward each gradient, once accumulated, marks its bucket ready, and a full
 bucket (about `bucket_bytes`, parameters in reverse order of registration ≈ the order backward
 produces them) is all-reduced asynchronously — so communication overlaps the rest of the backward
-pass. Gradients are views of their bucket's flat buffer (as torch DDP's gradient_as_bucket_view), so
+pass (on one x86 host, where data parallelism is all the ranks do, through shared memory instead, each bucket as
+it fills: `comm/shared_memory.py`). Gradients are views of their bucket's flat buffer (as torch DDP's gradient_as_bucket_view), so
 nothing is copied in or out; at the end of backward (an autograd engine callback) the rank waits. `no_sync()` accumulates locally without
 communicating (gradient accumulation). Wire bytes per step per rank: 2(N−1)/N · Ψ · bytes per
 gradient element (ring all-reduce). Twin: predict.collectives.ring_all_reduce_bytes_per_rank.
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mlsyslab.comm import shared_memory
 from mlsyslab.comm.launch import Rank
 from mlsyslab.comm.log import CommLog, nbytes, traced
 from mlsyslab.comm.p2p import Pending
@@ -28,6 +30,7 @@ class DataParallel(nn.Module):
         super().__init__()
         self.module, self.rank, self.log = module, rank, log
         self._sync = True
+        self.shared = shared_memory.for_data_parallel(rank)
         params = [p for p in module.parameters() if p.requires_grad]
         with torch.no_grad():  # every rank starts from rank 0's weights
             for tensor in [*module.parameters(), *module.buffers()]:
@@ -77,9 +80,13 @@ class DataParallel(nn.Module):
                 view.copy_(p.grad)
             p.grad = view
         flat.div_(self.rank.world_size)
-        work = traced(self.log, "all_reduce", nbytes(flat), self.rank.world_size, dist.all_reduce, flat,
-                      group=self.rank.group, async_op=True)
-        self._pending[index] = Pending([work], self.rank, "DDP gradient all-reduce", tuple(flat.shape))
+        if self.shared is not None:  # done on return
+            traced(self.log, "all_reduce", nbytes(flat), self.rank.world_size, self.shared.all_reduce, flat)
+            works = []
+        else:
+            works = [traced(self.log, "all_reduce", nbytes(flat), self.rank.world_size, dist.all_reduce, flat,
+                            group=self.rank.group, async_op=True)]
+        self._pending[index] = Pending(works, self.rank, "DDP gradient all-reduce", tuple(flat.shape))
 
     def _finish(self) -> None:
         """Wait for every bucket: the averaged gradients are already in place (views of the buckets)."""

@@ -60,12 +60,9 @@ class ZeroDataParallel(nn.Module):
         with torch.no_grad():  # every rank starts from the group's first rank's weights
             for tensor in [*params, *(module.buffers() if parameters is None else ())]:
                 traced(log, "broadcast", nbytes(tensor), n, dist.broadcast, tensor, group=rank.group, group_src=0)
-        # ranks of one x86 host that only do data parallelism: the collectives through shared memory, synchronously
-        # (gloo's wake-ups had ZeRO-3's backward wait on its all-gathers a quarter of the step: benchmarks/README.md);
-        # inside a mesh (a group other than the world) the process group's asynchronous ones: a rank blocked in a
-        # synchronous gather while its peer waits for it in another group's point-to-point (ring attention's, the
-        # pipeline's) would never return
-        shared = shared_memory.for_group(rank) if rank.group is None else None
+        # ranks of one x86 host that only do data parallelism: the collectives through shared memory (gloo's wake-ups
+        # had ZeRO-3's backward wait on its all-gathers a quarter of the step: benchmarks/README.md)
+        shared = shared_memory.for_data_parallel(rank)
         if stage == 3:
             from mlsyslab.parallel.zero3 import PartitionedParameters
 
