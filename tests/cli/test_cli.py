@@ -146,6 +146,21 @@ def test_custom_model_and_hardware_files(tmp_path, capsys, monkeypatch):
     assert code == 2 and "--model-spec" in err
 
 
+def test_a_hardware_spec_with_an_unknown_assumption_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    """A spec an older version wrote (an assumption since renamed) names the stale key, for predict and for train."""
+    hardware = tmp_path / "old.yaml"
+    hardware.write_text("accelerator:\n  name: old\n  vendor: me\n  launch_year: 2026\n  peak_flops: {fp32: 100 GFLOP/s}\n"
+                        "  hbm_bytes: 16 GB\n  hbm_bw: 20 GB/s\n  sram_bytes: 1 MB\n  scale_up_bw: 1 GB/s\n  tdp_w: 1 W\n"
+                        "  source: a calibration\nsystem:\n  name: old-box\n  accelerators_per_node: 2\n"
+                        "  scale_up_domain: 2\n  scale_out_bw: 1 GB/s\n  source: a calibration\n"
+                        "assumptions:\n  tensor_parallel_latency_factor: 0.2\n")
+    for command in (["predict", "train", "--model", "gpt2", "--gpus", "2", "--dtype", "fp32"],
+                    ["train", "--model-spec", str(Path(__file__).parents[2] / "examples" / "llama-tiny.yaml"), "--steps", "1"]):
+        code, out, err = run(capsys, monkeypatch, *command, "--hardware-spec", str(hardware))
+        assert code == 2 and "assumptions='tensor_parallel_latency_factor'" in err and "unknown assumption" in err, err
+        assert "shared_memory_latency_factor" in err and out == ""
+
+
 def test_console_script_runs():
     result = subprocess.run(["mlsys", "predict", "serve", "--model", "smollm2-135m", "--hardware", "l4", "--json"],
                             capture_output=True, text=True, timeout=60)

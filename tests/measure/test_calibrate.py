@@ -30,7 +30,7 @@ def test_tensor_parallel_all_reduces_take_their_own_alpha_and_beta():
     model, hardware = catalog.model("SmolLM2-135M"), resolve_hardware("h100", None, "bf16")[0]
     layout = Layout.of(dp=1, tp=2, micro_batch=2, global_batch=2, seq=1024)
     base = resolve_assumptions(None)
-    own = base.override({"tensor_parallel_latency_factor": 0.25, "tensor_parallel_bandwidth_factor": 4})
+    own = base.override({"shared_memory_latency_factor": 0.25, "shared_memory_bandwidth_factor": 4})
     message = 2 * 1024 * model.hidden * 2  # bf16 activations of one microbatch
     per_all_reduce = lambda bw, alpha: 2 * (1 / 2) * message / bw + 2 * alpha  # noqa: E731 - ring, 2 ranks
     link_bw = hardware.scale_up_bw * base.scale_up_efficiency
@@ -38,6 +38,22 @@ def test_tensor_parallel_all_reduces_take_their_own_alpha_and_beta():
     count = 4 * model.layers
     assert tp(base) == pytest.approx(count * per_all_reduce(link_bw, base.scale_up_latency_s), rel=1e-9)
     assert tp(own) == pytest.approx(count * per_all_reduce(4 * link_bw, 0.25 * base.scale_up_latency_s), rel=1e-9)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_data_parallel_alone_takes_the_shared_memory_alpha_and_beta(zero):
+    """DDP's and ZeRO's collectives go through shared memory when data parallelism is all the ranks do (their
+    data-parallel time as if the link had the factors' α and β); beside TP they stay on the link."""
+    model, hardware = catalog.model("SmolLM2-135M"), resolve_hardware("h100", None, "bf16")[0]
+    base = resolve_assumptions(None)
+    own = base.override({"shared_memory_latency_factor": 0.25, "shared_memory_bandwidth_factor": 4})
+    as_link = base.override({"scale_up_latency_s": 0.25 * base.scale_up_latency_s, "scale_up_efficiency": 4 * base.scale_up_efficiency})
+    dp = lambda layout, a: float(predict_training(model, hardware, layout, assumptions=a).time_s["data_parallel"].reshape(-1)[0])  # noqa: E731
+    alone = Layout.of(dp=4, zero=zero, micro_batch=2, global_batch=16, seq=1024)
+    assert dp(alone, own) == pytest.approx(dp(alone, as_link), rel=1e-12)
+    assert dp(alone, own) < dp(alone, base)
+    beside_tensor_parallel = Layout.of(dp=2, tp=2, zero=zero, micro_batch=2, global_batch=8, seq=1024)
+    assert dp(beside_tensor_parallel, own) == pytest.approx(dp(beside_tensor_parallel, base), rel=1e-12)
 
 
 def test_calibrate_writes_a_spec_the_twin_reads(tmp_path):
@@ -49,7 +65,7 @@ def test_calibrate_writes_a_spec_the_twin_reads(tmp_path):
     assert 0 < assumptions.output_projection_efficiency <= 1
     shared = "shared_memory_all_reduce_s_by_bytes" in spec["measured"]  # ranks of one x86 host: TP's own transport
     assert shared == (platform.machine() in ("x86_64", "AMD64"))
-    assert (assumptions.tensor_parallel_latency_factor, assumptions.tensor_parallel_bandwidth_factor) != (1.0, 1.0) or not shared
+    assert (assumptions.shared_memory_latency_factor, assumptions.shared_memory_bandwidth_factor) != (1.0, 1.0) or not shared
     assert assumptions.loss_bytes_per_logit > 0 and assumptions.kernel_overhead_s > 0
     prediction = predict_training(catalog.model("SmolLM2-135M"), hardware, Layout.of(dp=2, micro_batch=1,
                                   global_batch=2, seq=128), assumptions=assumptions)

@@ -14,8 +14,8 @@ def calibrate_command(
                                          "(training ranks under torchrun: 1; `mlsys serve`'s engine: every core)")] = 1,
     json: Json = False,
 ):
-    """Matmul FLOP/s, memory bandwidth, kernel overhead, and gloo's and TP's all-reduce alpha-beta for N ranks →
-    --hardware local."""
+    """Matmul FLOP/s, memory bandwidth, kernel overhead, and the all-reduce alpha-beta of gloo and of the shared memory
+    TP and data parallelism alone take, for N ranks → --hardware local."""
     check_positive(nproc=nproc, threads=threads)
     from mlsyslab.measure.calibrate import calibrate
     from mlsyslab.specs.catalog import LOCAL_HARDWARE
@@ -33,7 +33,7 @@ def calibrate_command(
         ("kernel overhead", seconds(fitted["kernel_overhead_s"])),
         ("collective alpha", seconds(fitted["scale_up_latency_s"])),
         ("collective beta (per direction)", human(chip["scale_up_bw"], "B/s")),
-        ("TP all-reduce alpha, beta (shared memory)",
-         f"{seconds(fitted['scale_up_latency_s'] * fitted['tensor_parallel_latency_factor'])}, "
-         f"{human(chip['scale_up_bw'] * fitted['tensor_parallel_bandwidth_factor'], 'B/s')}"),
+        ("shared-memory all-reduce alpha, beta (TP; DP alone)",
+         f"{seconds(fitted['scale_up_latency_s'] * fitted['shared_memory_latency_factor'])}, "
+         f"{human(chip['scale_up_bw'] * fitted['shared_memory_bandwidth_factor'], 'B/s')}"),
     ]))

@@ -40,6 +40,12 @@ def resolve_hardware(name: str | None, spec: Path | None, dtype: str) -> tuple[H
     overrides: dict = {}
     if spec is not None:
         system, chip, overrides = catalog.hardware_from_file(str(spec))
+        known = Assumptions().explain()
+        stale = sorted(set(overrides) - set(known))
+        if stale:  # written by an older version (a renamed assumption): say so before any work
+            again = "; `mlsys calibrate` writes it afresh" if spec == catalog.LOCAL_HARDWARE else ""
+            raise InvalidValue(f"{spec}: assumptions", ", ".join(stale), ", ".join(known) + again,
+                               reason="unknown assumption")
     elif name:
         system, chip = catalog.hardware(name)
     else:

@@ -62,6 +62,7 @@ def train_command(
     config.micro_batch = micro_batch or _micro_batch(config, microbatches)
     config.validate()
     hw, measured = resolve_hardware(hardware, hardware_spec, "bf16" if bf16 else "fp32") if (hardware or hardware_spec) else (None, {})
+    assumptions = resolve_assumptions(None, measured)
     from mlsyslab.train.corpus import corpus_tokens, tokenizer_vocab
 
     vocab = tokenizer_vocab()
@@ -87,7 +88,7 @@ def train_command(
             raise typer.Exit(1)
         result = jsonlib.loads(result_path.read_text())
     compare = compare_mesh_training if config.on_mesh else compare_training
-    comparison = compare(config, result, hw, resolve_assumptions(None, measured))
+    comparison = compare(config, result, hw, assumptions)
     report = {"config": config.__dict__, "result": result, "predicted_vs_measured": comparison}
     if json:
         return emit_json(report)

@@ -14,8 +14,8 @@ core), each rank measures, at the same time as the others:
 - the loss: cross-entropy forward + backward over fp32 logits, as equivalent bytes per logit;
 - the collective alpha-beta: gloo all-reduce times over 4 KB…16 MB; β from the slope of
   t = 2(n−1)·α + 2(n−1)/n · M/β, α from the 4 KB time; and the same for the shared-memory all-reduce that tensor
-  parallelism takes between ranks of one x86 host (`comm/shared_memory.py`), as the assumptions
-  `tensor_parallel_latency_factor` and `tensor_parallel_bandwidth_factor` (its α and β over gloo's; 1 where it does
+  parallelism (and data parallelism alone) takes between ranks of one x86 host (`comm/shared_memory.py`), as the assumptions
+  `shared_memory_latency_factor` and `shared_memory_bandwidth_factor` (its α and β over gloo's; 1 where it does
   not apply).
 The result is a hardware spec (accelerator + system + the fitted assumptions) at
 ~/.cache/mlsyslab/hardware/local.yaml, which `--hardware local` reads.
@@ -134,7 +134,8 @@ def _all_reduce_times(rank: Rank, all_reduce) -> dict:
 
 
 def _shared_memory_all_reduce_times(rank: Rank) -> dict | None:
-    """`_all_reduce_times` through the shared-memory all-reduce TP uses here, or None where it does not apply."""
+    """`_all_reduce_times` through the shared-memory all-reduce TP (and data parallelism alone) uses here, or None where
+    it does not apply."""
     reducer = shared_memory.for_group(rank)
     return None if reducer is None else _all_reduce_times(rank, reducer.all_reduce)
 
@@ -178,8 +179,8 @@ def _spec(nproc: int, threads: int, measured: list) -> dict:
                    "memory_bandwidth_efficiency": 1.0, "scale_up_efficiency": 1.0, "scale_out_efficiency": 1.0,
                    "scale_up_latency_s": float(alpha), "scale_out_latency_s": float(alpha),
                    "kernel_overhead_s": float(kernel), "data_parallel_overlap": 0.0,
-                   "tensor_parallel_latency_factor": float(shm_alpha / alpha),
-                   "tensor_parallel_bandwidth_factor": float(shm_beta / beta),
+                   "shared_memory_latency_factor": float(shm_alpha / alpha),
+                   "shared_memory_bandwidth_factor": float(shm_beta / beta),
                    "output_projection_efficiency": min(1.0, float(statistics.median(
                        m["output_projection"] for m in measured)) / flops[OUTPUT_PROJECTION[0]]),
                    "loss_bytes_per_logit": float(statistics.median(m["loss_bytes_per_logit"] for m in measured))}

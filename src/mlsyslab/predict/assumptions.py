@@ -52,13 +52,14 @@ class Assumptions:
     scale_up_latency_s: float = documented(5e-6, "alpha per collective step inside a scale-up domain")
     scale_out_latency_s: float = documented(15e-6, "alpha per collective step across nodes")
     tensor_parallel_overlap: float = documented(0.0, "fraction of tensor-parallel communication hidden behind compute")
-    tensor_parallel_latency_factor: float = documented(
-        1.0, "the α of tensor parallelism's all-reduces inside a scale-up domain as a multiple of the link's: 1 where "
-        "they take the same transport (NCCL over NVLink); on one x86 host our TP all-reduces through shared memory "
-        "while DP's collectives take gloo, and `mlsys calibrate` measures both")
-    tensor_parallel_bandwidth_factor: float = documented(
-        1.0, "the β of tensor parallelism's all-reduces inside a scale-up domain as a multiple of the link's (see "
-        "tensor_parallel_latency_factor)")
+    shared_memory_latency_factor: float = documented(
+        1.0, "the α of the collectives our ranks run through shared memory inside a scale-up domain, as a multiple of "
+        "the link's: on one x86 host TP's all-reduces, and DDP's and ZeRO's collectives when data parallelism is all "
+        "the ranks do, take shared memory while the rest take gloo, and `mlsys calibrate` measures both; 1 where "
+        "every collective takes the same transport (NCCL over NVLink)")
+    shared_memory_bandwidth_factor: float = documented(
+        1.0, "the β of the collectives our ranks run through shared memory inside a scale-up domain, as a multiple of "
+        "the link's (see shared_memory_latency_factor)")
     data_parallel_overlap: float = documented(
         0.7, "fraction of data-parallel gradient reduction (and ZeRO-3 gathers) hidden behind the backward pass")
     pipeline_p2p_overlap: float = documented(0.0, "fraction of pipeline send/recv time hidden behind compute")

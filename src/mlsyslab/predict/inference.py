@@ -69,8 +69,8 @@ def predict_inference(model: Model, hardware: Hardware, batch, prompt_tokens, ou
     peak = hw.peak_flops * matmul_efficiency(model.hidden / t, a)
     all_reduce = lambda message: 2 * model.layers * coll.hierarchical_all_reduce_s(  # noqa: E731
         message, t, np.minimum(t, hw.scale_up_domain),
-        hw.scale_up_bw * a.scale_up_efficiency * a.tensor_parallel_bandwidth_factor,
-        a.scale_up_latency_s * a.tensor_parallel_latency_factor, hw.scale_out_bw * a.scale_out_efficiency,
+        hw.scale_up_bw * a.scale_up_efficiency * a.shared_memory_bandwidth_factor,
+        a.scale_up_latency_s * a.shared_memory_latency_factor, hw.scale_out_bw * a.scale_out_efficiency,
         a.scale_out_latency_s)
 
     # Prefill: all prompt tokens of the batch in one pass; causal attention.

@@ -100,8 +100,11 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     act_bytes = tokens * model.hidden * width
     up_bw, out_bw = hw.scale_up_bw * a.scale_up_efficiency, hw.scale_out_bw * a.scale_out_efficiency
     link = dict(up_bw=up_bw, up_latency_s=a.scale_up_latency_s, out_bw=out_bw, out_latency_s=a.scale_out_latency_s)
-    tp_link = dict(link, up_bw=up_bw * a.tensor_parallel_bandwidth_factor,
-                   up_latency_s=a.scale_up_latency_s * a.tensor_parallel_latency_factor)  # TP's own transport
+    # the collectives our ranks run through shared memory inside a node (comm/shared_memory.py): TP's always, DDP's and
+    # ZeRO's where data parallelism is all the ranks do
+    shared_link = dict(link, up_bw=up_bw * a.shared_memory_bandwidth_factor,
+                       up_latency_s=a.scale_up_latency_s * a.shared_memory_latency_factor)
+    tp_link = shared_link
     tp_local = np.minimum(t, hw.scale_up_domain)
     tp_count = (4 + 2 * full) * layers
     tp_time = tp_count * coll.hierarchical_all_reduce_s(act_bytes, t, tp_local, **tp_link)
@@ -161,15 +164,17 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     group = np.where(layout.zero > 0, d * c, d)
     dp_local = np.clip(hw.scale_up_domain / (t * group / d), 1, None)  # the group's ranks inside one node
     expert_dp = group / e
+    data_only = (t == 1) & (p == 1) & (c == 1) & (e == 1)
+    dp_link = {name: np.where(data_only, shared_link[name], link[name]) for name in link}
     dp_time = (
-        coll.hierarchical_all_reduce_s(volume * dense_params, group, np.minimum(group, dp_local), **link)
-        + coll.hierarchical_all_reduce_s(volume * expert_params, expert_dp, np.minimum(expert_dp, dp_local), **link))
+        coll.hierarchical_all_reduce_s(volume * dense_params, group, np.minimum(group, dp_local), **dp_link)
+        + coll.hierarchical_all_reduce_s(volume * expert_params, expert_dp, np.minimum(expert_dp, dp_local), **dp_link))
     dp_bytes = (coll.ring_all_reduce_bytes_per_rank(volume * dense_params, group)
                 + coll.ring_all_reduce_bytes_per_rank(volume * expert_params, expert_dp))
     # ZeRO-3 gathers (forward, backward) and reduce-scatters each layer's unit separately, every
     # microbatch: 3·m·(layers + 2) collectives, each paying (n − 1) latencies.
     zero3_latency = np.where(layout.zero == 3, 3 * m * (layers + 2) * (group - 1), 0.0) * np.where(
-        d * t * c <= hw.scale_up_domain, a.scale_up_latency_s, a.scale_out_latency_s)
+        d * t * c <= hw.scale_up_domain, dp_link["up_latency_s"], a.scale_out_latency_s)
     dp_time = dp_time + zero3_latency
     dp_exposed = dp_time * (1 - a.data_parallel_overlap)
 
