@@ -104,16 +104,15 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     # ZeRO's where data parallelism is all the ranks do
     shared_link = dict(link, up_bw=up_bw * a.shared_memory_bandwidth_factor,
                        up_latency_s=a.scale_up_latency_s * a.shared_memory_latency_factor)
-    tp_link = shared_link
     tp_local = np.minimum(t, hw.scale_up_domain)
     tp_count = (4 + 2 * full) * layers
-    tp_time = tp_count * coll.hierarchical_all_reduce_s(act_bytes, t, tp_local, **tp_link)
+    tp_time = tp_count * coll.hierarchical_all_reduce_s(act_bytes, t, tp_local, **shared_link)
     tp_bytes = tp_count * coll.ring_all_reduce_bytes_per_rank(act_bytes, t)
     # An MoE layer under TP also sums its routing weights' gradient (fp32, one per routed copy) in backward
     # (parallel.tensor.TensorParallelExperts); copies dropped over capacity send nothing.
     top_k = 0 if model.moe is None else model.moe.experts_per_token
     routing_weight_bytes = tokens * top_k * 4
-    tp_time = tp_time + layers * moe_share * coll.hierarchical_all_reduce_s(routing_weight_bytes, t, tp_local, **tp_link)
+    tp_time = tp_time + layers * moe_share * coll.hierarchical_all_reduce_s(routing_weight_bytes, t, tp_local, **shared_link)
     tp_bytes = tp_bytes + layers * moe_share * coll.ring_all_reduce_bytes_per_rank(routing_weight_bytes, t)
 
     # Expert parallel: dispatch + combine of top-k token copies, per MoE layer, fwd and bwd.
