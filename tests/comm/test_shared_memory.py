@@ -1,6 +1,6 @@
 """The shared-memory all-reduce (sum and maximum), all-gather and reduce-scatter equal gloo's, on every rank, for 2, 3
 and 4 ranks, several dtypes and sizes that span several slots; they leave nothing in /dev/shm, a rank that never comes
-makes the others fail in time, and ranks that do not map the same segment all keep the process group's collectives."""
+makes the others fail in time, ranks that make different calls all fail naming every rank's call, and ranks that do not map the same segment all keep the process group's collectives."""
 
 import dataclasses
 import os
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from mlsyslab.comm import shared_memory
 from mlsyslab.comm.launch import spawn
-from mlsyslab.comm.shared_memory import SharedMemoryCollectives
+from mlsyslab.comm.shared_memory import CollectiveMismatch, SharedMemoryCollectives
 from mlsyslab.comm.torch_ops import all_gather_single, reduce_scatter_single
 
 pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not shared_memory.SHM.is_dir(),
@@ -110,6 +110,34 @@ def _late(rank):
 
 def test_a_rank_that_never_comes_times_out_naming_it():
     assert spawn(_late, 2) == ["timed out", None]
+
+
+def _mismatched(rank, case):
+    group = SharedMemoryCollectives(rank, slot_bytes=256)
+    group.all_reduce(torch.ones(8))  # in step first: the check is per call
+    x = torch.ones(4 if rank.rank == 0 else 8)
+    try:
+        if case == "sizes":  # a whole size that differs, its first piece equal
+            group.all_reduce(torch.ones(64 if rank.rank == 0 else 96))
+        elif rank.rank == 0:
+            group.all_reduce(x)
+        else:
+            group.all_gather(torch.empty(rank.world_size * 8), x)
+    except CollectiveMismatch as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("case", ["sizes", "collectives"])
+def test_ranks_making_different_calls_all_fail_naming_every_call(case):
+    messages = spawn(_mismatched, 2, case)
+    assert messages[0] == messages[1] and messages[0] is not None
+    assert "call 2: the ranks disagree" in messages[0]
+    if case == "sizes":
+        assert "rank 0: all_reduce (sum) of 256 bytes (a piece of 256)" in messages[0]
+        assert "rank 1: all_reduce (sum) of 384 bytes (a piece of 256)" in messages[0]
+    else:
+        assert "rank 0: all_reduce (sum) of 16 bytes" in messages[0] and "rank 1: all_gather of 32 bytes" in messages[0]
 
 
 def _chosen(rank, switch):

@@ -27,7 +27,9 @@ The segment lives in /dev/shm only until every rank has mapped it: rank 0 of the
 nothing is left behind whatever way the processes end. Each rank checks that it mapped rank 0's segment (a token rank 0
 wrote; a rank on another host with the same host name would map a new, empty file): if any did not, every rank keeps
 the process group's collectives. Calls are synchronous: every rank of the group must make them in the same order (as
-for the process group's). Tested against gloo's collectives in tests/comm/test_shared_memory.py.
+for the process group's); each call's flag line also carries what the rank is doing (the collective, its whole size and
+the piece's), and ranks that find another doing something else all raise `CollectiveMismatch` naming every rank's call,
+rather than combining unrelated bytes. Tested against gloo's collectives in tests/comm/test_shared_memory.py.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -54,6 +57,13 @@ SHM = Path("/dev/shm")
 
 class NotShared(RuntimeError):
     """Some rank of the group did not map the same segment as rank 0 (raised on every rank alike)."""
+
+
+class CollectiveMismatch(RuntimeError):
+    """The ranks of a group made different shared-memory calls at the same point (raised on every rank alike)."""
+
+
+OPS = ("all_reduce (sum)", "all_reduce (maximum)", "all_gather", "reduce_scatter")  # a call's collective, by its index
 
 
 class SharedMemoryCollectives:
@@ -83,7 +93,9 @@ class SharedMemoryCollectives:
             raise NotShared(f"ranks {[r for r, ok in enumerate(mapped) if not ok]} did not map rank 0's segment {path}")
         memory = memory[64:]
         lines = memory[:flag_bytes].view(torch.int64).view(2, self.size, 64 // WORD)
-        self.written, self.read = lines[0, :, 0], lines[1, :, 0]
+        # numpy views of the flags: a few hundred ns to set or test, where a torch op costs a few µs
+        self.written, self.read = lines[0, :, 0].numpy(), lines[1, :, 0].numpy()
+        self.doing = lines[0, :, 1:4].numpy()  # per rank, beside its written flag: (collective, whole bytes, piece bytes)
         self.slots = memory[flag_bytes:].view(self.size, slot_bytes)
 
     @staticmethod
@@ -100,7 +112,8 @@ class SharedMemoryCollectives:
         per = self.slot_bytes // x.element_size()
         for first in range(0, flat.numel(), per):
             values = flat[first:first + per]
-            self._exchange(lambda slot: slot.view(x.dtype)[:values.numel()].copy_(values),
+            self._exchange((int(maximum), flat.nbytes, values.nbytes),
+                           lambda slot: slot.view(x.dtype)[:values.numel()].copy_(values),
                            lambda slots: _combine(values, slots.view(x.dtype)[:, :values.numel()], maximum))
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
@@ -114,7 +127,7 @@ class SharedMemoryCollectives:
         per = self.slot_bytes // shard.element_size()
         for first in range(0, flat.numel(), per):
             piece = flat[first:first + per]
-            self._exchange(lambda slot: slot.view(shard.dtype)[:piece.numel()].copy_(piece),
+            self._exchange((2, flat.nbytes, piece.nbytes), lambda slot: slot.view(shard.dtype)[:piece.numel()].copy_(piece),
                            lambda slots: gathered[:, first:first + piece.numel()].copy_(
                                slots.view(shard.dtype)[:, :piece.numel()]))
 
@@ -129,31 +142,40 @@ class SharedMemoryCollectives:
         per, me = self.slot_bytes // input.element_size() // self.size, self.rank.rank
         for first in range(0, out.numel(), per):
             count = min(per, out.numel() - first)
-            self._exchange(lambda slot: slot.view(input.dtype)[:self.size * count].view(self.size, count).copy_(
+            self._exchange((3, full.nbytes, self.size * count * input.element_size()), lambda slot: slot.view(input.dtype)[:self.size * count].view(self.size, count).copy_(
                                chunks[:, first:first + count]),
                            lambda slots: _combine(out[first:first + count],
                                                   slots.view(input.dtype)[:, me * count:(me + 1) * count], False))
 
-    def _exchange(self, write, read) -> None:
-        """One call of the protocol: write(this rank's slot, bytes), then read(every slot, [ranks, bytes])."""
+    def _exchange(self, doing: tuple[int, int, int], write, read) -> None:
+        """One call of the protocol: write(this rank's slot, bytes), then read(every slot, [ranks, bytes]); `doing` is
+        (the collective's index in OPS, its whole bytes, this piece's bytes), checked equal on every rank."""
         self.calls += 1
         n, me = self.calls, self.rank.rank
         self._wait(self.read, n - 1)
+        self.doing[me] = doing
         write(self.slots[me])
         self.written[me] = n
         self._wait(self.written, n)
+        calls = self.doing.tolist()
+        if calls.count(calls[me]) != self.size:
+            calls = "; ".join(f"rank {r}: {OPS[op]} of {whole} bytes (a piece of {piece})"
+                              for r, (op, whole, piece) in enumerate(calls))
+            raise CollectiveMismatch(f"shared-memory collectives, call {n}: the ranks disagree ({calls}); every rank "
+                                     "must make the same collectives in the same order")
         read(self.slots)
         self.read[me] = n
 
-    def _wait(self, flags: torch.Tensor, n: int) -> None:
+    def _wait(self, flags: np.ndarray, n: int) -> None:
         spins, deadline = 0, time.monotonic() + self.rank.timeout_s
-        while bool((flags < n).any()):
+        while min(flags.tolist()) < n:
             spins += 1
             if spins > SPINS_BEFORE_YIELD:
                 os.sched_yield()
                 if spins % 4096 == 0 and time.monotonic() > deadline:
-                    raise TimeoutError(f"shared-memory collectives: call {n} still waits for ranks "
-                                       f"{(flags < n).nonzero().flatten().tolist()} after {self.rank.timeout_s:.0f} s")
+                    late = [r for r, flag in enumerate(flags.tolist()) if flag < n]
+                    raise TimeoutError(f"shared-memory collectives: call {n} still waits for ranks {late} after "
+                                       f"{self.rank.timeout_s:.0f} s")
 
 
 _GROUPS: dict[tuple, SharedMemoryCollectives | None] = {}
