@@ -3,7 +3,8 @@
 Every rank holds the whole model and a slice of the batch. At start rank 0's parameters are
 broadcast; during backward each gradient, once accumulated, marks its bucket ready, and a full
 bucket (about `bucket_bytes`, parameters in reverse order of registration ≈ the order backward
-produces them) is all-reduced asynchronously — so communication overlaps the rest of the backward
+produces them) is all-reduced asynchronously once the buckets before it are (the same order of calls on every rank,
+whatever order backward fills them in) — so communication overlaps the rest of the backward
 pass (on one x86 host, where data parallelism is all the ranks do, through shared memory instead, each bucket as
 it fills: `comm/shared_memory.py`). Gradients are views of their bucket's flat buffer (as torch DDP's gradient_as_bucket_view), so
 nothing is copied in or out; at the end of backward (an autograd engine callback) the rank waits. `no_sync()` accumulates locally without
@@ -44,6 +45,10 @@ class DataParallel(nn.Module):
         self._views = [list(torch.split(flat, [p.numel() for p in b])) for flat, b in zip(self._flat, self.buckets)]
         self._views = [[v.view_as(p) for v, p in zip(views, b)] for views, b in zip(self._views, self.buckets)]
         self._pending: list = [None] * len(self.buckets)
+        # Buckets are all-reduced in index order on every rank, each once it and those before it are full: the ranks'
+        # calls then match whatever order backward fills them in (a parameter one rank leaves unused, an expert no
+        # token reached there, only holds back the buckets after it until the end of backward).
+        self._launched = 0
         self._callback_queued = False
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_gradient)
@@ -66,10 +71,10 @@ class DataParallel(nn.Module):
         if not self._callback_queued:  # once per backward: finish after the engine is done
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        index = self._bucket_of[id(param)]
-        self._ready[index] += 1
-        if self._ready[index] == len(self.buckets[index]):
-            self._launch(index)
+        self._ready[self._bucket_of[id(param)]] += 1
+        while self._launched < len(self.buckets) and self._ready[self._launched] == len(self.buckets[self._launched]):
+            self._launch(self._launched)
+            self._launched += 1
 
     def _launch(self, index: int) -> None:
         flat = self._flat[index]
@@ -90,12 +95,12 @@ class DataParallel(nn.Module):
 
     def _finish(self) -> None:
         """Wait for every bucket: the averaged gradients are already in place (views of the buckets)."""
-        for index in range(len(self.buckets)):
-            if self._pending[index] is None:  # parameters that got no gradient this step
-                self._launch(index)
+        for index in range(self._launched, len(self.buckets)):  # in order: some parameter got no gradient this step
+            self._launch(index)
         for pending in self._pending:
             pending.wait()
         self._ready = [0] * len(self.buckets)
         self._pending = [None] * len(self.buckets)
+        self._launched = 0
         self._callback_queued = False
 
