@@ -25,6 +25,22 @@ class TinyLM(nn.Module):
         return self.head(self.norm(x))
 
 
+class Branching(TinyLM):
+    """TinyLM with a layer registered last (so in DDP's first bucket) that only some ranks use."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__(seed=seed)
+        self.extra = nn.Linear(24, 24)
+
+    def forward(self, tokens, use_extra: bool):
+        x = self.embed(tokens)
+        if use_extra:
+            x = x + self.extra(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(self.norm(x))
+
+
 def batch(step: int, size: int = 8, seq: int = 6, vocab: int = 50):
     generator = torch.Generator().manual_seed(100 + step)
     tokens = torch.randint(0, vocab, (size, seq + 1), generator=generator)
@@ -75,3 +91,16 @@ def adam(params):
 
 def sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=False)
+
+
+def branching_reference_step(world: int, lr: float) -> dict:
+    """One SGD step of `Branching` on the mean of the ranks' losses of batch 0, only rank 0 using `extra`: the
+    parameters a data-parallel run of it must end with."""
+    reference = Branching(seed=0)
+    tokens, targets = batch(0)
+    losses = [loss_fn(reference(shard(tokens, r, world), use_extra=r == 0), shard(targets, r, world)) for r in range(world)]
+    (sum(losses) / world).backward()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= lr * p.grad
+    return {k: v.clone() for k, v in reference.state_dict().items()}

@@ -5,14 +5,14 @@ import os
 
 import pytest
 import torch
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from mlsyslab.comm.log import CommLog
 from mlsyslab.parallel.ddp import DataParallel
 from mlsyslab.comm.launch import spawn
 from mlsyslab.predict.collectives import ring_all_reduce_bytes_per_rank
-from tests.parallel.models import TinyLM, adam, batch, loss_fn, shard, train_loop, train_single
+from tests.parallel.models import (Branching, TinyLM, adam, batch, branching_reference_step, loss_fn, shard,
+                                  train_loop, train_single)
 
 STEPS, ACCUMULATE = 4, 2
 
@@ -62,43 +62,24 @@ def test_ddp_equals_single_process_and_torch_ddp(world, transport):
         assert log["all_reduce"]["bytes_sent"] == pytest.approx(STEPS * ring_all_reduce_bytes_per_rank(4 * psi, world))
 
 
-class Branching(TinyLM):
-    """TinyLM with a layer registered last (so in DDP's first bucket) that only some ranks use."""
-
-    def __init__(self, seed: int = 0):
-        super().__init__(seed=seed)
-        self.extra = nn.Linear(24, 24)
-
-    def forward(self, tokens, use_extra: bool):
-        x = self.embed(tokens)
-        if use_extra:
-            x = x + self.extra(x)
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(self.norm(x))
-
-
 def _unused_on_some_ranks(rank, transport: str):
     os.environ["MLSYS_SHM_COLLECTIVES"] = "1" if transport == "shared memory" else "0"
     model = Branching(seed=rank.rank)
     wrapped = DataParallel(model, rank, bucket_bytes=2_000)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     tokens, targets = batch(0)
     tokens, targets = shard(tokens, rank.rank, rank.world_size), shard(targets, rank.rank, rank.world_size)
     loss_fn(wrapped(tokens, use_extra=rank.rank == 0), targets).backward()
-    return {name: p.grad.clone() for name, p in model.named_parameters()}, len(wrapped.buckets)
+    optimizer.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}, len(wrapped.buckets)
 
 
 @pytest.mark.parametrize("transport", ["shared memory", "process group"])
 def test_a_parameter_one_rank_leaves_unused_keeps_the_buckets_in_step(transport):
-    """Rank 1 never fills the first bucket: its buckets wait for it and go in the same order as rank 0's; the
-    gradients are the mean of the ranks' (zeros for the unused layer on rank 1), as one process computes them."""
-    world = 2
-    runs = spawn(_unused_on_some_ranks, world, transport)
-    reference = Branching(seed=0)
-    tokens, targets = batch(0)
-    losses = [loss_fn(reference(shard(tokens, r, world), use_extra=r == 0), shard(targets, r, world)) for r in range(world)]
-    (sum(losses) / world).backward()
-    expected = {name: p.grad for name, p in reference.named_parameters()}
-    for gradients, buckets in runs:
+    """Rank 1 never fills the first bucket: its buckets wait for it and go in the same order as rank 0's; the step
+    takes the mean of the ranks' gradients (zeros for the unused layer on rank 1), as one process computes it."""
+    runs = spawn(_unused_on_some_ranks, 2, transport)
+    expected = branching_reference_step(2, lr=0.1)
+    for parameters, buckets in runs:
         assert buckets > 2
-        assert_close_to(gradients, expected)
+        assert_close_to(parameters, expected)

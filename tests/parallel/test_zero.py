@@ -10,7 +10,8 @@ from mlsyslab.measure.memory import model_state_bytes as measured_bytes
 from mlsyslab.parallel.zero import ZeroDataParallel
 from mlsyslab.predict.collectives import ring_shard_bytes_per_rank
 from mlsyslab.predict.memory import model_state_bytes, offloaded_optimizer_bytes
-from tests.parallel.models import TinyLM, adam, train_loop, train_single
+from tests.parallel.models import (Branching, TinyLM, adam, batch, branching_reference_step, loss_fn, shard,
+                                  train_loop, train_single)
 from tests.parallel.test_ddp import assert_close_to
 
 STEPS, ACCUMULATE = 3, 2
@@ -132,3 +133,23 @@ def test_zero_equals_pytorch_fsdp2_and_zero_redundancy_optimizer():
     for ours, fsdp, redundancy in spawn(_with_pytorch_peers, 2, timeout_s=180):
         assert_close_to(ours[1], redundancy, relative=2e-6)  # ZeRO-1 vs torch's ZeroRedundancyOptimizer
         assert_close_to(ours[3], fsdp, relative=2e-6)  # ZeRO-3 vs FSDP2 (fully_shard per block)
+
+
+def _unused_on_some_ranks(rank, stage):
+    model = Branching(seed=rank.rank)
+    zero = ZeroDataParallel(model, rank, stage, lambda params: torch.optim.SGD(params, lr=0.1), bucket_bytes=2_000)
+    tokens, targets = batch(0)
+    tokens, targets = shard(tokens, rank.rank, rank.world_size), shard(targets, rank.rank, rank.world_size)
+    loss_fn(zero(tokens, use_extra=rank.rank == 0), targets).backward()
+    zero.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}, len(zero.buckets)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_parameter_one_rank_leaves_unused_keeps_the_buckets_in_step(stage):
+    """As for DDP (tests/parallel/test_ddp.py): the reduce-scatters go in bucket order on every rank."""
+    runs = spawn(_unused_on_some_ranks, 2, stage)
+    expected = branching_reference_step(2, lr=0.1)
+    for parameters, buckets in runs:
+        assert buckets > 2
+        assert_close_to(parameters, expected)

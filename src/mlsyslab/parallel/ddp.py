@@ -23,7 +23,7 @@ from mlsyslab.comm import shared_memory
 from mlsyslab.comm.launch import Rank
 from mlsyslab.comm.log import CommLog, nbytes, traced
 from mlsyslab.comm.p2p import Pending
-from mlsyslab.parallel.buckets import bucket_parameters
+from mlsyslab.parallel.buckets import InOrder, bucket_parameters
 
 
 class DataParallel(nn.Module):
@@ -38,17 +38,13 @@ class DataParallel(nn.Module):
                 traced(log, "broadcast", nbytes(tensor), rank.world_size, dist.broadcast, tensor, group=rank.group, group_src=0)
         self.buckets = bucket_parameters(params[::-1], bucket_bytes)
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
-        self._ready = [0] * len(self.buckets)
+        self._in_order = InOrder([len(bucket) for bucket in self.buckets], self._launch)
         # Each bucket's gradients live in one flat buffer; a parameter's .grad is a view of it, so
         # backward accumulates straight into the buffer and the all-reduce needs no copies.
         self._flat = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device) for b in self.buckets]
         self._views = [list(torch.split(flat, [p.numel() for p in b])) for flat, b in zip(self._flat, self.buckets)]
         self._views = [[v.view_as(p) for v, p in zip(views, b)] for views, b in zip(self._views, self.buckets)]
         self._pending: list = [None] * len(self.buckets)
-        # Buckets are all-reduced in index order on every rank, each once it and those before it are full: the ranks'
-        # calls then match whatever order backward fills them in (a parameter one rank leaves unused, an expert no
-        # token reached there, only holds back the buckets after it until the end of backward).
-        self._launched = 0
         self._callback_queued = False
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_gradient)
@@ -71,10 +67,7 @@ class DataParallel(nn.Module):
         if not self._callback_queued:  # once per backward: finish after the engine is done
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        self._ready[self._bucket_of[id(param)]] += 1
-        while self._launched < len(self.buckets) and self._ready[self._launched] == len(self.buckets[self._launched]):
-            self._launch(self._launched)
-            self._launched += 1
+        self._in_order.arrived(self._bucket_of[id(param)])
 
     def _launch(self, index: int) -> None:
         flat = self._flat[index]
@@ -95,12 +88,9 @@ class DataParallel(nn.Module):
 
     def _finish(self) -> None:
         """Wait for every bucket: the averaged gradients are already in place (views of the buckets)."""
-        for index in range(self._launched, len(self.buckets)):  # in order: some parameter got no gradient this step
-            self._launch(index)
+        self._in_order.finish()  # buckets some parameter of which got no gradient this step
         for pending in self._pending:
             pending.wait()
-        self._ready = [0] * len(self.buckets)
         self._pending = [None] * len(self.buckets)
-        self._launched = 0
         self._callback_queued = False
 

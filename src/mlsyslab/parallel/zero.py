@@ -9,7 +9,7 @@ parameters, 2·Ψ·(N−1)/N elements; stage 3 gathers parameters twice more per
 Layout: parameters are grouped into buckets (about `bucket_bytes`, reverse registration order ≈ the
 order backward produces gradients); each bucket is one flat buffer padded to a multiple of N, and
 rank r owns slice r of every bucket (so a bucket's gradients are reduce-scattered the moment they
-are ready, overlapping the rest of backward on the process group; ranks of one x86 host that only do data
+and those of the buckets before it are ready — the same order of calls on every rank, `buckets.InOrder` — overlapping the rest of backward on the process group; ranks of one x86 host that only do data
 parallelism reduce-scatter and all-gather through shared memory instead, `comm/shared_memory.py`, synchronously). Ψ above counts that padding. The optimizer (any
 torch.optim class, via `optimizer_factory`) steps only over this rank's slices: fp32 master copies
 under mixed precision (bf16 compute), or views of the flat fp32 buffers themselves. With
@@ -32,7 +32,7 @@ from mlsyslab.comm.launch import Rank
 from mlsyslab.comm.log import CommLog, nbytes, traced
 from mlsyslab.comm.p2p import Pending
 from mlsyslab.errors import InvalidValue
-from mlsyslab.parallel.buckets import bucket_parameters
+from mlsyslab.parallel.buckets import InOrder, bucket_parameters
 
 
 class ZeroDataParallel(nn.Module):
@@ -75,7 +75,9 @@ class ZeroDataParallel(nn.Module):
             groups += bucket_parameters([p for p in params[::-1] if id(p) not in single], bucket_bytes)
             self.buckets = [_FlatBucket(b, rank, self.compute_dtype, stage, divisor, shared) for b in groups]
             slices = [b.slice for b in self.buckets]
-            self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+            self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+            self._in_order = InOrder([len(b.params) for b in self.buckets],
+                                     lambda index: self.buckets[index].reduce_scatter_gradients(self.log))
             for p in params:
                 p.register_post_accumulate_grad_hook(self._on_gradient)
             self._callback_queued = False
@@ -150,7 +152,8 @@ class ZeroDataParallel(nn.Module):
         does not hold it. Summing it over another group, in place, sums the parameter's gradient (a
         pipeline's tied embedding)."""
         held = self.partition.shard_gradient(parameter) if self.stage == 3 else None
-        bucket = self._bucket_of.get(id(parameter)) if self.stage < 3 else None
+        index = self._bucket_of.get(id(parameter)) if self.stage < 3 else None
+        bucket = None if index is None else self.buckets[index]
         if bucket is not None and (len(bucket.params) != 1 or bucket.params[0] is not parameter):
             raise InvalidValue("parameter", tuple(parameter.shape), "one with a bucket of its own (alone=)")
         if bucket is not None:
@@ -172,20 +175,16 @@ class ZeroDataParallel(nn.Module):
     # ---- stages 1 and 2: gradients reduce-scattered bucket by bucket as backward produces them ----
 
     def _on_gradient(self, param: torch.Tensor) -> None:
-        bucket = self._bucket_of[id(param)]
         if self.stage == 1 and not self._sync:
             return
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params):
-            bucket.reduce_scatter_gradients(self.log)
+        self._in_order.arrived(self._bucket_of[id(param)])
 
     def _finish_backward(self) -> None:
+        self._in_order.finish()  # buckets some parameter of which got no gradient this step
         for bucket in self.buckets:
-            if bucket.pending is None:
-                bucket.reduce_scatter_gradients(self.log)
             bucket.finish_reduce()
         self._callback_queued = False
 
@@ -215,7 +214,7 @@ class _FlatBucket:
                 p.grad = self.flat_grad[offset: offset + p.numel()].view_as(p)
                 offset += p.numel()
         self.slice_grad = None
-        self.ready, self.pending, self._incoming = 0, None, None
+        self.pending, self._incoming = None, None
 
     def reduce_scatter_gradients(self, log: CommLog | None) -> None:
         """Launch the reduce-scatter (sum) of this bucket's gradients into this rank's slice: asynchronous on the
@@ -244,7 +243,7 @@ class _FlatBucket:
             self.slice_grad.copy_(self._incoming)
         else:
             self.slice_grad = self._incoming if self.slice_grad is None else self.slice_grad.add_(self._incoming)
-        self.ready, self.pending, self._incoming = 0, None, None
+        self.pending, self._incoming = None, None
 
     def gather_parameters(self, log: CommLog | None) -> None:
         mine = self.slice.clone()
