@@ -14,8 +14,8 @@ crosses the wire three times: all-gather forward, all-gather backward, reduce-sc
 x86 host that only do data parallelism gather and reduce-scatter through shared memory (`comm/shared_memory.py`,
 chosen by `ZeroDataParallel`), synchronously: a prefetch then completes when issued.
 Not handled: a unit one rank skips (a branch only some ranks take) leaves its gathers out of step with the others' —
-every rank must run the same units in the same order (shared memory then raises `CollectiveMismatch`; the process group
-waits until the rank's timeout). Stages 1 and 2 and DDP allow it (`buckets.InOrder`).
+every rank must run the same units in the same order (shared memory raises `CollectiveMismatch` where the calls differ
+in kind or size, not where two units happen to be the same size). Stages 1 and 2 and DDP allow it (`buckets.InOrder`).
 Twin: predict.memory (16Ψ/N, two gathered layers), predict.training (3Ψ data-parallel volume).
 Held against DDP and the byte-exact prediction in tests/parallel/test_zero.py.
 """
