@@ -32,3 +32,20 @@ def test_bench_serve_with_prefix_ablation(capsys, monkeypatch):
     assert on["prefix_hit_rate"] > 0.4 and off["prefix_hit_rate"] == 0
     assert reports["prefix cache on/off"]["prefill_tokens"] == pytest.approx(on["prefill_tokens"] / off["prefill_tokens"])
     assert on["output_tokens_per_s"] > 0 and on["tpot_p50_s"] > 0
+
+
+def test_bench_serve_fails_when_every_request_failed(capsys, monkeypatch):
+    """A run in which no request completed prints its errors and exits 1, not 0 with empty numbers."""
+    from mlsyslab.serve import loadgen
+
+    def refused(url, model, workload, stream=True):
+        return loadgen.BenchReport(url=url, workload={}, completed=0, failed=2, duration_s=0.1, output_tokens_per_s=0.0,
+                                   requests_per_s=0.0, ttft_p50_s=float("nan"), ttft_p99_s=float("nan"),
+                                   tpot_p50_s=float("nan"), tpot_p99_s=float("nan"), latency_p50_s=float("nan"),
+                                   latency_p99_s=float("nan"), busy_cores_before=0.0, cores=2, trustworthy=True,
+                                   errors=["HTTP 500: engine is not running"])
+
+    monkeypatch.setattr(loadgen, "served_models", lambda url: ["m"])
+    monkeypatch.setattr(loadgen, "run_benchmark", refused)
+    code, out, err = run(capsys, monkeypatch, "bench", "serve", "--url", "http://127.0.0.1:9/v1", "--requests", "2")
+    assert code == 1 and "0 requests (2 failed)" in out and "HTTP 500" in err

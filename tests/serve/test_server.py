@@ -89,6 +89,27 @@ def test_errors_are_openai_shaped(client, server):
         client.completions.create(model="SmolLM2-135M-Instruct", prompt=[1] * 9000, max_tokens=1)
     response = httpx.post(server[0] + "/v1/completions", json={"model": "SmolLM2-135M-Instruct", "max_tokens": "many"})
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+    response = httpx.post(server[0] + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("field, value", [("response_format", {"type": "json_object"}), ("tool_choice", "auto"),
+                                          ("functions", [{"name": "f", "parameters": {}}])])
+def test_chat_fields_we_cannot_honour_are_refused(client, field, value):
+    """Asked for JSON output or a tool call, the server says it cannot rather than return free text."""
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=2,
+                                       extra_body={field: value})
+    assert bad.value.body["param"] == field
+    plain = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=2,
+                                           response_format={"type": "text"}, tool_choice="none")
+    assert plain.choices[0].message.content
+
+
+def test_completion_suffix_is_refused(client):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt="def f(", suffix="return x", max_tokens=2)
+    assert bad.value.body["param"] == "suffix"
 
 
 def test_queue_bound_gives_503(server):
@@ -166,3 +187,20 @@ def test_engine_process_exits_quietly_when_its_parent_goes():
     engine.process.join(30)
     assert engine.process.exitcode == 0
     engine.stop()
+
+
+def test_bench_serve_asks_the_server_for_its_model(server, capsys, monkeypatch):
+    """`mlsys bench serve --url`: the model name comes from GET /models; a name the server does not list, or a URL
+    where no server answers, is refused before any load is sent (exit 2)."""
+    from tests.cli.test_cli import run
+
+    url, engine, _ = server
+    wait_until_idle(engine)
+    load = ("--requests", "2", "--concurrency", "1", "--prompt-tokens", "8", "--output-tokens", "3")
+    code, out, err = run(capsys, monkeypatch, "bench", "serve", "--url", url + "/v1", *load, "--json")
+    assert code == 0, err
+    assert json.loads(out)["server"]["completed"] == 2
+    code, _, err = run(capsys, monkeypatch, "bench", "serve", "--url", url + "/v1", "--served-name", "gpt-4", *load)
+    assert code == 2 and "--served-name='gpt-4'" in err and "SmolLM2-135M-Instruct" in err
+    code, _, err = run(capsys, monkeypatch, "bench", "serve", "--url", "http://127.0.0.1:9/v1", *load)
+    assert code == 2 and "--url=" in err and "ConnectError" in err

@@ -148,7 +148,7 @@ def bench_serve_command(
     url: Annotated[Optional[str], typer.Option(help="an OpenAI-compatible base URL (…/v1); default: start ours in process")] = None,
     stream: Annotated[bool, typer.Option("--stream/--no-stream", help="streamed completions (--no-stream: whole ones, "
                                          "for a --url that cannot stream; no TTFT or TPOT then)")] = True,
-    model: ModelPath = "default", served_name: Annotated[Optional[str], typer.Option(help="model name sent in requests")] = None,
+    model: ModelPath = "default", served_name: Annotated[Optional[str], typer.Option(help="model name sent in requests (default with --url: the first the server lists)")] = None,
     requests: Annotated[int, typer.Option(help="requests in the run")] = 64,
     concurrency: Annotated[int, typer.Option(help="requests in flight (closed loop)")] = 16,
     rate: Annotated[float, typer.Option(help="Poisson arrivals per second (open loop; 0: closed loop)")] = 0.0,
@@ -178,7 +178,7 @@ def bench_serve_command(
     if url is not None:
         if prefix_ablation:
             raise InvalidValue("--prefix-ablation", True, "only without --url (it restarts our own server)")
-        reports = {"server": run_benchmark(url, served_name or "default", workload, stream=stream).to_dict()}
+        reports = {"server": run_benchmark(url, model_at(url, served_name), workload, stream=stream).to_dict()}
     else:
         loaded, tokenizer, name = load(model, dtype, threads, cache_dir)
         reports = {}
@@ -200,8 +200,25 @@ def bench_serve_command(
                                           "ttft_p50": on["ttft_p50_s"] / off["ttft_p50_s"]}
     if json:
         emit_json(reports)
-        return
-    print_reports(reports)
+    else:
+        print_reports(reports)
+    if any(report.get("completed") == 0 for report in reports.values()):
+        raise typer.Exit(1)  # every request of a run failed: the errors are in the report
+
+
+def model_at(url: str, served_name: str | None) -> str:
+    """The model name to send to the server at `url`: --served-name, checked against the server's list, or the
+    first model it lists."""
+    from mlsyslab.serve.loadgen import served_models
+
+    models = served_models(url)
+    if served_name is None:
+        if not models:
+            raise InvalidValue("--url", url, "a server that lists a model under GET /models")
+        return models[0]
+    if served_name not in models:
+        raise InvalidValue("--served-name", served_name, f"a model the server lists: {', '.join(models) or 'none'}")
+    return served_name
 
 
 def bench_in_process(model, tokenizer, name, config, workload, threads: int) -> dict:

@@ -104,6 +104,23 @@ class BenchReport:
         return asdict(self)
 
 
+def served_models(url: str, timeout_s: float = 10.0) -> list[str]:
+    """The model ids the OpenAI-compatible server at `url` (ending in /v1) lists under GET /models; an
+    InvalidValue naming --url when nothing answers there as such a server, before any load is sent."""
+    import httpx
+
+    base = url.rstrip("/")
+    valid = "the base URL of a running OpenAI-compatible server, ending in /v1"
+    try:
+        response = httpx.get(base + "/models", timeout=timeout_s)
+        response.raise_for_status()
+        return [entry["id"] for entry in response.json()["data"]]
+    except httpx.HTTPError as error:
+        raise InvalidValue("--url", url, valid, f"GET {base}/models: {type(error).__name__}: {error}"[:300]) from None
+    except (ValueError, KeyError, TypeError) as error:  # not JSON, or not the API's {"data": [{"id": ...}]}
+        raise InvalidValue("--url", url, valid, f"GET {base}/models did not return a model list ({error!r})"[:300]) from None
+
+
 def run_benchmark(url: str, model: str, workload: Workload, timeout_s: float = 600.0, as_text=None,
                   stream: bool = True) -> BenchReport:
     """Run `workload` against the OpenAI-compatible server at `url` (ending in /v1). `as_text` (token

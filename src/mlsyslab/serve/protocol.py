@@ -1,8 +1,9 @@
 """The OpenAI API's request and response shapes, and their translation to and from the engine's.
 
 Requests are pydantic models that accept the fields the official `openai` client sends (unknown
-ones are ignored, as OpenAI-compatible servers do); fields we cannot honour (n > 1, echo, best_of,
-logit_bias, tools) are rejected with a 400 that names them rather than silently ignored. Extensions
+ones are ignored, as OpenAI-compatible servers do); fields we cannot honour (n > 1, echo, best_of, suffix,
+logit_bias, tools, tool_choice, functions, a response_format other than text: constrained decoding is not
+built) are rejected with a 400 that names them rather than silently ignored. Extensions
 shared with vLLM: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids.
 """
 
@@ -63,6 +64,7 @@ class CompletionRequest(CommonRequest):
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
+    suffix: str | None = None
 
     def to_engine(self, tokenizer: Tokenizer, max_seq: int, capacity: int) -> tuple[list[int], SamplingParams]:
         """(prompt ids, sampling params); max_tokens defaults to 16 as in OpenAI's legacy API."""
@@ -73,6 +75,8 @@ class CompletionRequest(CommonRequest):
             raise InvalidValue("echo", True, "false (not supported)")
         if self.best_of not in (None, 1):
             raise InvalidValue("best_of", self.best_of, "1")
+        if self.suffix:
+            raise InvalidValue("suffix", self.suffix[:40], "null (insertion is not supported)")
         prompt = self.prompt
         if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
@@ -87,6 +91,9 @@ class ChatRequest(CommonRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    response_format: dict | None = None
 
     def to_engine(self, tokenizer: Tokenizer, max_seq: int, capacity: int) -> tuple[list[int], SamplingParams]:
         """(prompt ids, sampling params); max_tokens defaults to what is left of the context."""
@@ -100,8 +107,14 @@ class ChatRequest(CommonRequest):
         return prompt_ids, self.sampling_params(wanted, top if self.logprobs else None)
 
     def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
-        if self.tools:
-            raise InvalidValue("tools", "...", "null (tool calls are not supported)")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise InvalidValue(name, "...", "null (tool calls are not supported)")
+        if self.tool_choice not in (None, "none"):
+            raise InvalidValue("tool_choice", self.tool_choice, "null or 'none' (tool calls are not supported)")
+        if self.response_format not in (None, {"type": "text"}):
+            raise InvalidValue("response_format", self.response_format, "null or {'type': 'text'} "
+                               "(constrained decoding is not built)")
         messages = [{"role": m.get("role"), "content": text_content(m.get("content"), index)}
                     for index, m in enumerate(self.messages)]
         if not messages:

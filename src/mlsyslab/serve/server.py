@@ -63,6 +63,9 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_, error: RequestValidationError):
         first = error.errors()[0] if error.errors() else {"loc": ("body",), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":
+            reason = first.get("ctx", {}).get("error", first["msg"])
+            return error_response(400, f"the request body is not valid JSON ({reason})", "invalid_request_error")
         param = ".".join(str(part) for part in first["loc"] if part != "body")
         return error_response(400, f"{param or 'body'}: {first['msg']}", "invalid_request_error", param or None)
 
