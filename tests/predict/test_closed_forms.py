@@ -95,3 +95,24 @@ def test_korthikanti_activation_formulas(t):
         layout = Layout.of(tp=t, micro_batch=b, seq=s, **options)
         stored, _ = activation_bytes_per_layer(model, layout, flash_attention=False)
         assert stored == pytest.approx(expected), options
+
+
+def test_pipedream_stashes_weight_versions_and_updates_per_microbatch():
+    """PipeDream against 1F1B on the same layout: the same activations in flight and bubble; min(m, p) more copies of
+    the stage's weights (stage 0 owes p versions a backward); m optimizer updates a step instead of one, each
+    followed by the copy its new version stashes."""
+    from mlsyslab.predict.hardware import Hardware
+    from mlsyslab.predict.memory import training_memory
+    from mlsyslab.predict.training import predict_training
+
+    model = catalog.model("llama-3-8b")
+    hardware = Hardware.of(*catalog.hardware("h100"), "bf16")
+    runs = {name: Layout.of(tp=4, pp=4, global_batch=64, seq=4096, schedule=name) for name in ("1f1b", "pipedream")}
+    memory = {name: training_memory(model, layout, 80e9).breakdown() for name, layout in runs.items()}
+    assert memory["pipedream"]["activations"] == memory["1f1b"]["activations"]
+    assert memory["pipedream"]["weights"] == pytest.approx(5 * memory["1f1b"]["weights"])  # live + min(64, 4) copies
+    assert memory["pipedream"]["gradients"] == memory["1f1b"]["gradients"]
+    time = {name: predict_training(model, hardware, layout) for name, layout in runs.items()}
+    assert float(time["pipedream"].bubble_fraction) == float(time["1f1b"].bubble_fraction)
+    one, every = (float(time[name].time_s["optimizer"]) for name in ("1f1b", "pipedream"))
+    assert every > 64 * one

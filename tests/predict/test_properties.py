@@ -31,7 +31,7 @@ def scenarios(draw):
     micro = draw(st.sampled_from([1, 2, 4]))
     layout = Layout.of(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=draw(st.integers(0, 3)), micro_batch=micro,
                        global_batch=dp * micro * draw(st.sampled_from([1, 4, 16])), seq=draw(st.sampled_from([1024, 4096])),
-                       recompute=draw(st.integers(0, 2)), schedule=draw(st.sampled_from([0, 1])),
+                       recompute=draw(st.integers(0, 2)), schedule=draw(st.sampled_from([0, 1, 3])),
                        sequence_parallel=draw(st.booleans()), offload=draw(st.booleans()))
     return model, hardware, layout
 

@@ -202,6 +202,43 @@ def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny, 
             assert wire["context_parallel"]["measured"] == pytest.approx(wire["context_parallel"]["predicted"])
 
 
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory) -> Path:
+    """The tiny model with its own output layer: PipeDream cannot keep a tied embedding's two copies in step."""
+    path = tmp_path_factory.mktemp("spec") / "untied.yaml"
+    path.write_text(TINY.replace("tied_embeddings: true", "tied_embeddings: false"))
+    return path
+
+
+def test_pipedream_updates_after_every_backward_and_resumes_bitwise(untied, tmp_path):
+    """--schedule pipedream: at lr 0 (no update moves a weight) its stashed-weights path gives 1F1B's losses; with
+    updates the first step's loss already moves (later microbatches run on weights updated within the step, which
+    a flushed schedule never does); its pipeline bytes are predict's; a run resumed from step 2 of 4 gives the
+    uninterrupted run's last two losses, bitwise (the stashes are empty at a step's end)."""
+    pipeline = ("--pp", "2", "--microbatches", "4", "--steps", "4")
+    frozen = _train_json(untied, *pipeline, "--schedule", "pipedream", "--lr", "0")["result"]["losses"]
+    assert frozen == pytest.approx(_train_json(untied, *pipeline, "--lr", "0")["result"]["losses"], rel=1e-6)
+    directory = tmp_path / "checkpoints"
+    args = (*pipeline, "--schedule", "pipedream", "--lr", "1e-2", "--checkpoint-dir", str(directory),
+            "--checkpoint-every", "2")
+    report = _train_json(untied, *args)
+    losses = report["result"]["losses"]
+    assert losses[0] != pytest.approx(frozen[0], rel=1e-4) and losses[-1] < frozen[-1]
+    wire = report["predicted_vs_measured"]["wire_bytes_per_step"]["pipeline_p2p"]
+    assert wire["measured"] == pytest.approx(wire["predicted"])
+    shutil.rmtree(directory / "step_00000004")
+    resumed = _train_json(untied, *args, "--resume")["result"]
+    assert resumed["first_step"] == 2 and resumed["losses"] == losses[2:]
+
+
+@pytest.mark.parametrize("args", [["--nproc", "4", "--dp", "2"], ["--nproc", "4", "--tp", "2", "--dp", "1"],
+                                  ["--strategy", "zero1"]])
+def test_pipedream_is_refused_beside_what_reduces_once_a_step(untied, args, capsys, monkeypatch):
+    code, _, err = run(capsys, monkeypatch, "train", "--model-spec", str(untied), "--pp", "2", "--schedule", "pipedream",
+                       "--global-batch", "8", *args)
+    assert code == 2 and "schedule='pipedream'" in err and "untied" in err
+
+
 def test_expert_parallel_training_equals_data_parallel_and_sends_the_routed_tokens(moe, moe_ddp_losses):
     """An MoE model on 2 ranks: with --ep 2 each rank holds 2 of the 4 experts and the routed tokens
     cross over, and the losses equal plain DP's (each rank's tokens routed the same way either way);

@@ -32,7 +32,7 @@ def predict_train(
     global_batch: Int("--global-batch", "sequences per step (default: 4·pp microbatches per pipeline)") = None,
     seq: Int("--seq", "tokens per sequence") = 2048,
     recompute: Annotated[str, typer.Option(help="activation recompute: none, selective, full")] = "none",
-    schedule: Annotated[str, typer.Option(help="pipeline schedule: gpipe, 1f1b, interleaved")] = "1f1b",
+    schedule: Annotated[str, typer.Option(help="pipeline schedule: gpipe, 1f1b, interleaved, pipedream")] = "1f1b",
     interleave: Int("--interleave", "virtual stages per rank (interleaved schedule)") = 1,
     sequence_parallel: Annotated[Optional[bool], typer.Option("--sequence-parallel/--no-sequence-parallel", help="default: on when tp > 1")] = None,
     offload: Annotated[bool, typer.Option("--offload", help="optimizer state and step on the CPU")] = False,

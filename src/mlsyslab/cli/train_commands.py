@@ -43,7 +43,7 @@ def train_command(
     cp: Annotated[int, typer.Option("--cp", help="context-parallel ranks (ring attention)")] = 1,
     ep: Annotated[int, typer.Option("--ep", help="expert-parallel ranks, inside --dp (MoE models)")] = 1,
     dp: Annotated[Optional[int], typer.Option("--dp", help="data-parallel ranks (default: nproc / (tp·pp·cp))")] = None,
-    schedule: Annotated[str, typer.Option(help="pipeline schedule: gpipe, 1f1b or interleaved")] = "1f1b",
+    schedule: Annotated[str, typer.Option(help="pipeline schedule: gpipe, 1f1b, interleaved or pipedream (a pipeline alone, untied embeddings)")] = "1f1b",
     microbatches: Annotated[Optional[int], typer.Option("--microbatches", help="microbatches per step per data-parallel rank (sets --micro-batch)")] = None,
     interleave: Annotated[int, typer.Option(help="model chunks per pipeline rank (--schedule interleaved)")] = 1,
     json: Json = False,

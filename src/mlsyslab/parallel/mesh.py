@@ -136,7 +136,7 @@ def _rank_in(rank: Rank, group, local: int | None = None) -> Rank:
 
 def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
                   pipeline: PipelineRank | None = None, logs: dict | None = None,
-                  reduce_data_parallel: bool = True, tied_gradient=None) -> float:
+                  reduce_data_parallel: bool = True, tied_gradient=None, optimizer=None) -> float:
     """Forward and backward of this rank's share of a global batch; returns the global mean loss.
 
     `inputs`/`targets` are the global batch [B, s]; DP takes rows, CP takes zig-zag columns, and the DP
@@ -150,11 +150,12 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
     `tied_gradient()`, under PP with ZeRO-2 or -3 (whose backward leaves only this rank's slice of each
     gradient, `ZeroDataParallel.shard_gradient`; under ZeRO-3 the module holds no weight to ask): the
     tensor to sum over the pipeline for the tied embedding, its slice, summed slice by slice.
+    `optimizer`, under the PipeDream schedule: what each stage steps after every backward (`PipelineRank.step`).
     """
     layout, logs = mesh.layout, logs or {}
     rows = inputs.chunk(layout.dp)[mesh.dp.rank], targets.chunk(layout.dp)[mesh.dp.rank]
     if layout.pp > 1:
-        loss = pipeline.step(*rows)[0]
+        loss = pipeline.step(*rows, optimizer)[0]
         loss = torch.tensor(0.0 if loss is None else loss, dtype=torch.float64)
         dist.all_reduce(loss, group=mesh.pp.group)  # only the last stage had it
         if model.config.tied_embeddings:

@@ -3,7 +3,8 @@
 Conventions (Megatron-Core): gpus = dp · tp · pp · cp; expert parallelism borrows from data
 parallelism (ep divides dp; each expert is replicated over dp/ep ranks). ZeRO shards over dp (for
 expert weights, over dp/ep). recompute: 0 none, 1 selective, 2 full. schedule: 0 GPipe, 1 1F1B,
-2 interleaved 1F1B with `interleave` virtual stages per rank.
+2 interleaved 1F1B with `interleave` virtual stages per rank, 3 PipeDream (1F1B's order, each stage updating
+after every backward and stashing the weight versions its microbatches still owe a backward to).
 """
 
 from dataclasses import dataclass, fields
@@ -13,7 +14,7 @@ import numpy as np
 from mlsyslab.errors import InvalidValue
 
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "pipedream")
 
 
 @dataclass(frozen=True)

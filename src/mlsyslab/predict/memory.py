@@ -14,7 +14,10 @@ s·b·h·(34 + 5·a·s/h) without parallelism; tensor parallel t divides all but
 parallelism divides those too; selective recompute drops the 5·a·s²·b attention-score term; full
 recompute keeps only each layer's 2·s·b·h input. Generalised here to GQA widths, gated MLPs and
 MoE (top-k routed copies of each token). Pipeline stages hold the microbatches in flight:
-GPipe m, 1F1B min(m, p), interleaved min(m, p)·(1 + (p−1)/(p·v)) on the first stage.
+GPipe m, 1F1B and PipeDream min(m, p), interleaved min(m, p)·(1 + (p−1)/(p·v)) on the first stage.
+PipeDream's weight stashing (Narayanan et al., SOSP'19 §3.3; parallel/weight_stash.py) also keeps a copy of
+the stage's weights per version still owed a backward: stage r up to min(m, p − r) of them, the first stage
+min(m, p) (counted on the heaviest stage: exact where that is the first).
 Twin of: parallel/zero.py and measure/ (held equal in tests/parallel/test_zero.py).
 """
 
@@ -147,6 +150,8 @@ def training_memory(model: Model, layout: Layout, hbm_bytes: float, optimizer: s
     w1, g1, o1 = model_state_bytes(dense, dp, layout.zero, optimizer, dtype, layout.offload)
     w2, g2, o2 = model_state_bytes(experts, expert_dp, layout.zero, optimizer, dtype, layout.offload)
     weights, gradients, optimizer_bytes = w1 + w2, g1 + g2, o1 + o2
+    stashed = np.minimum(layout.microbatches, layout.pp) * DTYPE_BYTES[dtype] * (dense + experts)
+    weights = weights + np.where(layout.schedule == 3, stashed, 0.0)
     offloaded = offloaded_optimizer_bytes(dense, dp, layout.zero, optimizer)
     offloaded = offloaded + offloaded_optimizer_bytes(experts, expert_dp, layout.zero, optimizer)
     host = np.where(layout.offload, offloaded, 0.0)
@@ -182,4 +187,4 @@ def _microbatches_in_flight(layout: Layout):
     v = layout.interleave.astype(float)
     one_f_one_b = np.minimum(m, p)
     interleaved = one_f_one_b * (1 + (p - 1) / (p * v))
-    return np.select([layout.schedule == 0, layout.schedule == 1], [m, one_f_one_b], interleaved)
+    return np.select([layout.schedule == 0, layout.schedule == 2], [m, interleaved], one_f_one_b)

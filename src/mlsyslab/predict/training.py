@@ -14,7 +14,8 @@ Per microbatch, each rank of the slowest (last) pipeline stage spends:
   PP          a send forward and backward per microbatch between stages.
 A step is (m + (p − 1)/v) such slots (the bubble), then the exposed part of the data-parallel
 traffic (2Ψ per step; ZeRO-2 (m+1)Ψ, ZeRO-3 3mΨ with m microbatches), then the optimizer step (memory-bound; on the
-CPU under offload). MFU counts model FLOPs (3 × forward); HFU adds recomputation.
+CPU under offload; under PipeDream one per microbatch, each followed by the copy of the weights its new version
+stashes). MFU counts model FLOPs (3 × forward); HFU adds recomputation.
 Twin of: train/ and parallel/ (verify/ holds measured step time against this for --hardware local).
 """
 
@@ -182,7 +183,9 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     on_device = local * a.optimizer_bytes_per_parameter / memory_bw
     pcie = max(hw.pcie_bw, 1.0)
     offloaded = local * hw.accelerators_per_node / a.cpu_adam_parameters_per_s + 2 * width * local / pcie
-    optimizer_time = np.where(layout.offload, offloaded, on_device)
+    pipedream = layout.schedule == 3  # an update after every microbatch's backward, and a stashed copy of each version
+    optimizer_time = np.where(pipedream, m, 1.0) * np.where(layout.offload, offloaded, on_device) \
+        + np.where(pipedream, m * 2 * width * local / memory_bw, 0.0)
 
     step = slots * slot + dp_exposed + optimizer_time
     model_flops = layout.global_batch * layout.seq * training_flops_per_token(model, layout.seq)

@@ -23,7 +23,10 @@ bucket, or a unit, of its own on both stages). Checkpoints inside the mesh hold 
 (`checkpoint.mesh_state`) and resume on the same layout. --bf16 and --offload work there too: under ZeRO
 mixed precision (bf16 compute and wire, fp32 masters; CP's gradient accumulators stay fp32), under DDP
 bf16 weights. With or without --pp each rank's share runs as --micro-batch-sized microbatches whose
-gradients accumulate.
+gradients accumulate — except under --schedule pipedream, where each stage steps its optimizer after every
+microbatch's backward (weight stashing, parallel/weight_stash.py): a pipeline alone (no DP, TP, CP, EP or ZeRO,
+whose reductions happen once a step) of a model with untied embeddings (the first and last stage would update
+their two copies apart).
 """
 
 import statistics
@@ -43,6 +46,7 @@ from mlsyslab.parallel.ddp import DataParallel
 from mlsyslab.parallel.mesh import MeshLayout, build_mesh, composed_step, prepare
 from mlsyslab.parallel.mesh_zero import MeshZero
 from mlsyslab.parallel.pipeline import executed_bubble
+from mlsyslab.parallel.schedules import SCHEDULES
 from mlsyslab.parallel.schedules import build as build_schedule
 from mlsyslab.parallel.zero import ZeroDataParallel
 from mlsyslab.specs.schema import Model
@@ -50,7 +54,6 @@ from mlsyslab.train import checkpoint
 from mlsyslab.train.data import TokenBatches
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
-MESH_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # flushed: PipeDream updates per microbatch, not per step
 
 
 @dataclass
@@ -141,10 +144,16 @@ class TrainConfig:
 
     def _validate_mesh(self) -> None:
         """What the mesh trainer does not do yet, named before launch."""
-        if self.schedule not in MESH_SCHEDULES:
-            raise InvalidValue("schedule", self.schedule, ", ".join(MESH_SCHEDULES))
+        if self.schedule not in SCHEDULES:
+            raise InvalidValue("schedule", self.schedule, ", ".join(SCHEDULES))
         if self.interleave > 1 and self.schedule != "interleaved":
             raise InvalidValue("interleave", self.interleave, "1 unless --schedule interleaved")
+        if self.schedule == "pipedream" and (self.data_parallel * self.tp * self.cp * self.ep > 1 or self.strategy != "ddp"
+                                             or self.model.get("tied_embeddings")):
+            # each stage updates after every backward: DP's or ZeRO's reduction and the tied embedding's summed
+            # gradient (first and last stage) all happen once a step, so none of them can follow
+            raise InvalidValue("schedule", self.schedule, "gpipe, 1f1b or interleaved; pipedream on a pipeline alone "
+                               "(--dp/--tp/--cp/--ep 1, --strategy ddp) and a model with untied embeddings")
 
     @property
     def microbatches(self) -> int:
@@ -274,7 +283,9 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
     for step in range(start, config.steps):
         began = time.perf_counter()
         inputs, targets = data.step(step, 0, 1)  # the global batch: composed_step shards it
-        if zero is None:
+        if config.schedule == "pipedream":  # the stages stepped the optimizer after every backward
+            loss = composed_step(model, mesh, inputs, targets, config.microbatches, pipeline, logs, optimizer=optimizer)
+        elif zero is None:
             loss = composed_step(model, mesh, inputs, targets, config.microbatches, pipeline, logs)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
