@@ -12,7 +12,7 @@ interleaved 1F1B (v = 2):
 Each step is forward + backward + SGD; the time is the slowest rank's, best and median of 5 steps
 after 2 warm-ups, ours and torch's alternating step by step so both see the same machine. The first
 step's losses of the two must agree (a check, printed). The measured bubble is
-`parallel.pipeline.executed_bubble` of the spans both ranks executed (a span starts when its input has
+`parallel.pipeline.executed_timeline` of the spans both ranks executed (a span starts when its input has
 arrived: waiting on the neighbour is idle), median over the timed steps; the analytic one is
 ((p−1)/v) / (m + (p−1)/v). Only p = 2 is measured: with more ranks than the 2 cores, ranks would
 share cores and the timeline would measure the scheduler of the OS.
@@ -30,7 +30,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from mlsyslab.comm.launch import spawn
 from mlsyslab.nn.llama import Llama, LlamaConfig
-from mlsyslab.parallel.pipeline import PipelineRank, StageChunk, executed_bubble, split
+from mlsyslab.parallel.pipeline import PipelineRank, StageChunk, executed_timeline, split
 from mlsyslab.parallel.schedules import build
 
 RESULTS = ROOT / "benchmarks" / "results" / "pipeline.json"
@@ -112,8 +112,8 @@ def main() -> None:
     for name, chunks, torch_schedule in SCHEDULES:
         slowest = {who: [max(r[name]["times"][who][i] for r in ranks) for i in range(args.steps)]
                    for who in ("ours", "torch")}
-        bubbles = [executed_bubble([r[name]["spans"][i] for r in ranks]) for i in range(args.steps)]
         schedule = build(name, 2, args.microbatches, chunks)
+        bubbles = [executed_timeline(schedule, [r[name]["spans"][i] for r in ranks]).bubble for i in range(args.steps)]
         losses = {who: next(r[name]["first_loss"][who] for r in ranks if r[name]["first_loss"][who] is not None)
                   for who in ("ours", "torch")}
         out["rows"].append({

@@ -179,3 +179,22 @@ def test_audit_writes_a_report_naming_the_binding_constraint(tmp_path, capsys, m
     nothing = run_json(capsys, monkeypatch, "audit", "--model", "llama-3-70b", "--hardware", "h100", "--gpus", "2",
                        "--global-batch", "8", "--out", str(tmp_path / "small"))
     assert nothing["sections"]["feasibility"]["feasible"] is False and "does not fit in memory" in nothing["sections"]["feasibility"]["reasons"]
+
+
+def test_schedule_simulates_draws_and_refuses_bad_input(capsys, monkeypatch, tmp_path):
+    """`mlsys schedule`: the schedule object's actions, its simulated bubble equal to the analytic one, the
+    activations 1F1B holds (p − rank), PipeDream's weight versions, and the chart and trace written."""
+    chart, trace = tmp_path / "1f1b.png", tmp_path / "1f1b.json"
+    report = run_json(capsys, monkeypatch, "schedule", "1f1b", "--stages", "4", "--microbatches", "8",
+                      "--png", str(chart), "--trace", str(trace))
+    assert report["actions"][3][:4] == ["F0", "B0", "F1", "B1"] and len(report["actions"][0]) == 16
+    assert report["bubble"]["simulated"] == pytest.approx(report["bubble"]["analytic"]) == pytest.approx(3 / 11)
+    assert report["peak_in_flight"] == [4, 3, 2, 1] and report["weight_versions"] is None
+    assert chart.stat().st_size > 5000 and len(json.loads(trace.read_text())["traceEvents"]) == 4 * 16
+    pipedream = run_json(capsys, monkeypatch, "schedule", "pipedream", "--stages", "3", "--microbatches", "4")
+    assert pipedream["weight_versions"][0] == {"0": 0, "1": 0, "2": 0, "3": 1}
+    for args, field in ((["zigzag"], "schedule"), (["1f1b", "--forward", "0"], "--forward"),
+                        (["interleaved", "--interleave", "2", "--microbatches", "6"], "microbatches"),
+                        (["1f1b", "--png", str(tmp_path / "chart.svg")], "--png")):
+        code, _, err = run(capsys, monkeypatch, "schedule", *args)
+        assert code == 2 and err.startswith(f"error: {field}="), err

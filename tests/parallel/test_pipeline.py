@@ -3,6 +3,7 @@
 gradients."""
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from torch.func import functional_call
 from mlsyslab.comm.launch import spawn
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama, LlamaConfig
-from mlsyslab.parallel.pipeline import PipelineRank, StageChunk, split
+from mlsyslab.parallel.pipeline import PipelineRank, StageChunk, forward_flops_per_token, split
 from mlsyslab.parallel.schedules import build, chrome_trace, render_png, timeline, weight_versions
 from mlsyslab.predict.pipeline import pipeline_bubble_fraction
 
@@ -26,6 +27,23 @@ def test_simulated_bubble_is_the_analytic_bubble(name, p, m, v):
     result = timeline(schedule, forward_s=1.0, backward_s=2.0)
     assert result.bubble == pytest.approx(float(pipeline_bubble_fraction(p, m, v)), abs=0.02)
     assert schedule.analytic_bubble == pytest.approx(float(pipeline_bubble_fraction(p, m, v)))
+
+
+@pytest.mark.parametrize("stages", [2, 3, 5])
+def test_split_balances_predicted_cost_with_the_output_layer(stages):
+    """A vocabulary large beside the hidden size makes the output layer cost several layers: the split leaves the
+    last stage fewer layers, and no contiguous split (one layer or more a stage) has a cheaper costliest stage."""
+    model = Llama(LlamaConfig(vocab=4096, hidden=32, layers=10, heads=4, kv_heads=2, head_dim=8, ffn_hidden=48,
+                              tied_embeddings=True, max_seq=64))
+    layer, head = forward_flops_per_token(model.layers[0]), forward_flops_per_token(model.lm_head)
+    assert layer == 2 * (4 * 32 * 32 // 2 + 2 * 32 * 16 + 3 * 32 * 48) and head == 2 * 4096 * 32  # q, o; k, v; MLP
+    bounds = split(model, stages)
+    assert bounds[0][0] == 0 and bounds[-1][1] == 10 and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    costliest = lambda ends: max((b - a) * layer + (head if b == 10 else 0) for a, b in zip((0, *ends), (*ends, 10)))  # noqa: E731
+    assert costliest([b for _, b in bounds[:-1]]) == min(costliest(ends) for ends in itertools.combinations(range(1, 10), stages - 1))
+    assert bounds[-1][1] - bounds[-1][0] < 10 // stages
+    even = Llama(CONFIG)  # its output layer costs a fraction of a layer: an even split
+    assert split(even, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
 
 
 def test_activations_in_flight():

@@ -72,6 +72,8 @@ def mlsys(*args, **kwargs):
     (["--pp", "2", "--interleave", "2"], "interleave"),
     (["--pp", "2", "--microbatches", "3"], "microbatches"),
     (["--dp", "1"], "dp"),
+    (["--timeline", "timeline.png"], "timeline"),  # no pipeline to draw
+    (["--pp", "2", "--timeline", "timeline.svg"], "timeline"),
 ])
 def test_bad_input_is_refused_before_launch(tiny, args, field, capsys, monkeypatch):
     """In process (`mlsys`'s own entry point): a refusal that failed would launch torchrun and take seconds."""
@@ -184,11 +186,12 @@ def single_process_losses(tiny):
     return _train_json(tiny, "--nproc", "1", "--steps", "3")["result"]["losses"]
 
 
-def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny, single_process_losses):
+def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny, single_process_losses, tmp_path):
     """--tp 2, --pp 2 (tied embeddings across the stages) and --cp 2 reproduce one process's losses;
-    TP, PP and CP bytes on the wire equal the prediction, and PP reports its executed bubble."""
+    TP, PP and CP bytes on the wire equal the prediction, and PP reports its executed bubble and draws it."""
     reference = single_process_losses
-    for args in (["--tp", "2"], ["--pp", "2", "--microbatches", "4"], ["--cp", "2"]):
+    chart = tmp_path / "timeline.png"
+    for args in (["--tp", "2"], ["--pp", "2", "--microbatches", "4", "--timeline", str(chart)], ["--cp", "2"]):
         report = _train_json(tiny, "--steps", "3", *args)
         assert report["result"]["losses"] == pytest.approx(reference, rel=1e-5), args
         wire = report["predicted_vs_measured"]["wire_bytes_per_step"]
@@ -198,6 +201,7 @@ def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny, 
             assert wire["pipeline_p2p"]["measured"] == pytest.approx(wire["pipeline_p2p"]["predicted"])
             bubble = report["predicted_vs_measured"]["bubble"]
             assert bubble["predicted"] == pytest.approx(1 / 5) and 0 < bubble["measured"] < 1
+            assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 5000
         if "--cp" in args:  # K/V around the ring and the weights' gradients summed over the CP group
             assert wire["context_parallel"]["measured"] == pytest.approx(wire["context_parallel"]["predicted"])
 
@@ -221,7 +225,11 @@ def test_pipedream_updates_after_every_backward_and_resumes_bitwise(untied, tmp_
     directory = tmp_path / "checkpoints"
     args = (*pipeline, "--schedule", "pipedream", "--lr", "1e-2", "--checkpoint-dir", str(directory),
             "--checkpoint-every", "2")
-    report = _train_json(untied, *args)
+    trace = tmp_path / "pipedream.json"
+    report = _train_json(untied, *args, "--timeline", str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]  # the last step: each stage's 4 forwards and 4 backwards
+    for stage in (0, 1):
+        assert sorted(e["name"] for e in events if e["tid"] == stage) == sorted(f"{k}{i}" for k in "FB" for i in range(4))
     losses = report["result"]["losses"]
     assert losses[0] != pytest.approx(frozen[0], rel=1e-4) and losses[-1] < frozen[-1]
     wire = report["predicted_vs_measured"]["wire_bytes_per_step"]["pipeline_p2p"]

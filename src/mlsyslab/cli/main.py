@@ -13,8 +13,8 @@ try:  # typer >= 0.26 vendors click
 except ImportError:  # pragma: no cover - older typer uses click itself
     from click.exceptions import UsageError
 
-from mlsyslab.cli import (audit_commands, measure_commands, predict_commands, primer_commands, scenario_commands, serve_commands,
-                          train_commands, walls_commands, zoo_commands)
+from mlsyslab.cli import (audit_commands, measure_commands, predict_commands, primer_commands, scenario_commands,
+                          schedule_commands, serve_commands, train_commands, walls_commands, zoo_commands)
 from mlsyslab.errors import MlsysError
 
 app = typer.Typer(
@@ -46,6 +46,7 @@ app.command("search")(scenario_commands.search_command)
 app.command("audit")(audit_commands.audit_command)
 app.command("explain")(walls_commands.explain_command)
 app.command("train")(train_commands.train_command)
+app.command("schedule")(schedule_commands.schedule_command)
 app.command("serve")(serve_commands.serve_command)
 app.command("generate")(serve_commands.generate_command)
 bench_app = typer.Typer(no_args_is_help=True, help="Load tests against servers.")

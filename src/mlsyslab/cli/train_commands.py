@@ -46,6 +46,8 @@ def train_command(
     schedule: Annotated[str, typer.Option(help="pipeline schedule: gpipe, 1f1b, interleaved or pipedream (a pipeline alone, untied embeddings)")] = "1f1b",
     microbatches: Annotated[Optional[int], typer.Option("--microbatches", help="microbatches per step per data-parallel rank (sets --micro-batch)")] = None,
     interleave: Annotated[int, typer.Option(help="model chunks per pipeline rank (--schedule interleaved)")] = 1,
+    timeline: Annotated[Optional[Path], typer.Option(help="under --pp: draw the last step's executed timeline here "
+                                                     "(.png chart, or .json Chrome / Perfetto trace)")] = None,
     json: Json = False,
 ):
     """Train the nn/ Llama on a real corpus with DDP or ZeRO, or on a DP × PP × CP × TP mesh; end with
@@ -58,7 +60,7 @@ def train_command(
                          global_batch=global_batch, micro_batch=1, lr=lr, bf16=bf16, offload=offload, seed=seed,
                          checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
                          checkpoint_every=checkpoint_every, resume=resume, tp=tp, pp=pp, cp=cp, ep=ep, dp=dp,
-                         schedule=schedule, interleave=interleave)
+                         schedule=schedule, interleave=interleave, timeline=str(timeline.resolve()) if timeline else None)
     config.micro_batch = micro_batch or _micro_batch(config, microbatches)
     config.validate()
     hw, measured = resolve_hardware(hardware, hardware_spec, "bf16" if bf16 else "fp32") if (hardware or hardware_spec) else (None, {})
@@ -131,6 +133,8 @@ def _print(config, result, comparison) -> None:
         console.print(table("pipeline bubble", [("analytic vs executed timeline", share(bubble["predicted"]),
                                                  share(bubble["measured"]), ratio(bubble["ratio"]))],
                             ("", "predicted", "measured", "measured / predicted")))
+        if config.timeline:
+            console.print(f"the last step's executed timeline: {config.timeline}")
     step = comparison["step_s"]
     console.print(table("step time", [("median step", seconds(step["predicted"]) if step["predicted"] else "— (pass --hardware local)",
                                        seconds(step["measured"]), ratio(step["ratio"]))],

@@ -1,8 +1,9 @@
 """Pipeline parallelism: run a schedule (parallel/schedules.py) for real with send/recv between stages.
 
-The model's layers are split into p·v virtual stages of equal layer counts (balanced by predicted
-cost: every decoder layer costs the same; the first stage also embeds, the last also norms, projects
-and takes the loss). Rank r holds virtual stages r, r + p, …. For each action of its list it:
+The model's layers are split into p·v virtual stages balanced by predicted cost (`split`: each stage's forward
+FLOPs per token, the last stage's output layer included, so a small model's last stage takes fewer layers); the
+first stage also embeds, the last also norms, projects and takes the loss. Rank r holds virtual stages r, r + p, ….
+For each action of its list it:
 - F: receives the activation from the previous virtual stage (or embeds microbatch i), runs its
   chunk, keeps input and output for backward, and sends the output on (or computes the loss);
 - B: receives the output gradient from the next virtual stage (or starts from its loss), runs
@@ -21,7 +22,7 @@ chunk's output by an identity whose backward adds that share's gradient (`WithLo
 Megatron-Core's MoEAuxLossAutoScaler), so it needs no trip to the last stage; each rank returns its
 shares with the loss, summed over the pipeline by the caller.
 Each span of the executed timeline starts once the action's input has arrived, so the time a rank
-spends waiting for its neighbour is idle time: `executed_bubble` measures the bubble from the spans.
+spends waiting for its neighbour is idle time: `executed_timeline` measures the bubble from the spans.
 Twin: predict.pipeline (bubble), predict.memory (activations in flight). Held equal to the
 unpipelined model, and PipeDream to a single-process replay, in tests/parallel/test_pipeline.py.
 """
@@ -38,7 +39,7 @@ from mlsyslab.comm.p2p import Wire
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama, causal_attention, rope_cos_sin, rope_inverse_frequencies
 from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, MixtureOfExperts, balancing_losses
-from mlsyslab.parallel.schedules import Schedule, idle_fraction
+from mlsyslab.parallel.schedules import Schedule, Timeline
 from mlsyslab.parallel.weight_stash import WeightStash
 
 
@@ -65,12 +66,42 @@ class StageChunk(nn.Module):
 
 
 def split(model: Llama, stages: int) -> list[tuple[int, int]]:
-    """[first, last) layers of each of `stages` virtual stages."""
+    """[first, last) layers of each of `stages` virtual stages, at least one each: of the contiguous splits, the one
+    whose costliest stage costs least, and among those the one whose stage costs have the least sum of squares (the
+    most even), by dynamic programming over the layers (a linear partition). A stage costs its layers' and, on the
+    last, the output layer's forward FLOPs per token (`forward_flops_per_token`; the embedding is a lookup). The
+    output layer is a large share of a small model (SmolLM2-135M's costs ~8 of its 30 layers), so an even split of
+    the layers would leave the last stage the pipeline's bottleneck. Every rank computes the same split."""
     layers = model.config.layers
-    if layers % stages:
-        raise InvalidValue("pipeline stages", stages, f"a divisor of the {layers} layers")
-    size = layers // stages
-    return [(s * size, (s + 1) * size) for s in range(stages)]
+    if stages > layers:
+        raise InvalidValue("pipeline stages", stages, f"at most the {layers} layers (one or more each)")
+    prefix = [0.0]
+    for layer in model.layers:
+        prefix.append(prefix[-1] + forward_flops_per_token(layer))
+    head = forward_flops_per_token(model.lm_head)
+    cost = lambda i, j: prefix[j] - prefix[i] + (head if j == layers else 0.0)  # noqa: E731 - layers [i, j)
+    # best[k][j]: ((costliest stage, sum of squares), start of the last stage) for layers [0, j) in k stages
+    best = [{0: ((0.0, 0.0), 0)}] + [{} for _ in range(stages)]
+    for k in range(1, stages + 1):
+        for j in range(k, layers - (stages - k) + 1):
+            best[k][j] = min(((max(best[k - 1][i][0][0], cost(i, j)), best[k - 1][i][0][1] + cost(i, j) ** 2), i)
+                             for i in range(k - 1, j) if i in best[k - 1])
+    bounds, j = [], layers
+    for k in range(stages, 0, -1):
+        i = best[k][j][1]
+        bounds.append((i, j))
+        j = i
+    return bounds[::-1]
+
+
+def forward_flops_per_token(module: nn.Module) -> float:
+    """2 × the matrix weights (2-D parameters) a token meets in `module` on this rank; in an MoE layer the router in
+    full and `top_k` experts (one expert's weights, top_k times)."""
+    moe = next((m for m in module.modules() if isinstance(m, MixtureOfExperts)), None)
+    routed = {id(p) for p in moe.experts.parameters()} if moe is not None else set()
+    dense = sum(p.numel() for p in module.parameters() if p.dim() >= 2 and id(p) not in routed)
+    experts = moe.top_k * sum(p.numel() for p in moe.experts[0].parameters()) if moe is not None else 0
+    return 2.0 * (dense + experts)
 
 
 RECEIVES_AHEAD = 4  # actions whose inputs are in flight at once: at most 3 buffers [b, s, hidden] more.
@@ -197,7 +228,9 @@ def mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def executed_bubble(spans_per_rank: list[list]) -> float:
-    """The bubble of an executed timeline (`PipelineRank.step`'s spans from every rank of the pipeline),
-    as `schedules.idle_fraction` gives it for the simulated one. Waiting for a neighbour is idle."""
-    return idle_fraction([(start, end) for spans in spans_per_rank for _, start, end in spans], len(spans_per_rank))
+def executed_timeline(schedule: Schedule, spans_per_rank: list[list]) -> Timeline:
+    """The executed timeline of one step (`PipelineRank.step`'s spans from every rank of the pipeline, in rank
+    order), as `schedules.timeline` simulates it: its bubble counts waiting for a neighbour as idle, and it draws
+    with `schedules.render_png` / `chrome_trace`."""
+    return Timeline.of(schedule, [(rank, action, start, end) for rank, spans in enumerate(spans_per_rank)
+                                  for action, start, end in spans])

@@ -118,10 +118,19 @@ def weight_versions(schedule: Schedule) -> list[dict]:
 
 @dataclass(frozen=True)
 class Timeline:
-    spans: list  # (rank, action, start, end)
+    spans: list  # (rank, action, start, end), times from the first start
     makespan: float
     bubble: float  # idle fraction of ranks × makespan
     peak_in_flight: list  # per rank: most microbatch-chunks whose activations are held at once
+
+    @classmethod
+    def of(cls, schedule: Schedule, spans: list) -> "Timeline":
+        """The timeline of `schedule`'s (rank, action, start, end) spans, simulated or executed (any clock)."""
+        first = min(start for _, _, start, _ in spans)
+        spans = [(rank, action, start - first, end - first) for rank, action, start, end in spans]
+        return cls(spans, max(end for *_, end in spans), idle_fraction([(start, end) for *_, start, end in spans],
+                                                                         schedule.stages),
+                   [_peak_in_flight(actions) for actions in schedule.actions])
 
 
 def timeline(schedule: Schedule, forward_s: float = 1.0, backward_s: float = 2.0) -> Timeline:
@@ -158,13 +167,12 @@ def timeline(schedule: Schedule, forward_s: float = 1.0, backward_s: float = 2.0
             progressed = True
         if not progressed:
             raise InvalidValue("schedule", schedule.name, "an order without deadlock", reason="no rank can proceed")
-    return Timeline(spans, max(clock), idle_fraction([(start, end) for _, _, start, end in spans], p),
-                    [_peak_in_flight(a) for a in schedule.actions])
+    return Timeline.of(schedule, spans)
 
 
 def idle_fraction(intervals: list, ranks: int) -> float:
     """The bubble of a timeline: 1 − busy / (ranks · (last end − first start)), over every rank's busy
-    (start, end) intervals — simulated here, or executed (`pipeline.executed_bubble`)."""
+    (start, end) intervals — simulated here, or executed (`pipeline.executed_timeline`)."""
     first, last = min(start for start, _ in intervals), max(end for _, end in intervals)
     return 1 - sum(end - start for start, end in intervals) / (ranks * (last - first))
 
@@ -184,20 +192,21 @@ def chrome_trace(result: Timeline, unit_s: float = 1e-3) -> str:
     return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
 
 
-def render_png(schedule: Schedule, result: Timeline, path: str) -> None:
+def render_png(schedule: Schedule, result: Timeline, path: str, time_label: str = "time") -> None:
     """GPU x time chart: forwards blue, backwards green, the bubble white."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(max(6, result.makespan * 0.4), 0.5 * schedule.stages + 1))
+    actions_per_rank = len(result.spans) / schedule.stages
+    figure, axis = plt.subplots(figsize=(min(24, max(6, 0.6 * actions_per_rank)), 0.5 * schedule.stages + 1))
     for rank, action, start, end in result.spans:
         axis.barh(rank, end - start, left=start, color="tab:blue" if action.kind == "F" else "tab:green", edgecolor="black")
         axis.text((start + end) / 2, rank, str(action.microbatch), ha="center", va="center", fontsize=7, color="white")
     axis.set_yticks(range(schedule.stages), [f"stage {r}" for r in range(schedule.stages)])
     axis.invert_yaxis()
-    axis.set_xlabel("time")
+    axis.set_xlabel(time_label)
     axis.set_title(f"{schedule.name}: p={schedule.stages}, m={schedule.microbatches}"
                    + (f", v={schedule.chunks}" if schedule.chunks > 1 else "")
                    + f" — bubble {result.bubble:.1%} (analytic {schedule.analytic_bubble:.1%})")

@@ -33,6 +33,7 @@ import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -45,8 +46,8 @@ from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.parallel.ddp import DataParallel
 from mlsyslab.parallel.mesh import MeshLayout, build_mesh, composed_step, prepare
 from mlsyslab.parallel.mesh_zero import MeshZero
-from mlsyslab.parallel.pipeline import executed_bubble
-from mlsyslab.parallel.schedules import SCHEDULES
+from mlsyslab.parallel.pipeline import executed_timeline
+from mlsyslab.parallel.schedules import SCHEDULES, chrome_trace, render_png
 from mlsyslab.parallel.schedules import build as build_schedule
 from mlsyslab.parallel.zero import ZeroDataParallel
 from mlsyslab.specs.schema import Model
@@ -80,6 +81,7 @@ class TrainConfig:
     dp: int | None = None  # None: nproc / (tp · pp · cp)
     schedule: str = "1f1b"
     interleave: int = 1  # model chunks per pipeline rank (interleaved 1F1B)
+    timeline: str | None = None  # under PP: where rank 0 draws the last step's executed timeline (.png or .json)
 
     @property
     def on_mesh(self) -> bool:
@@ -112,6 +114,10 @@ class TrainConfig:
             self._validate_mesh()
         elif self.dp is not None and self.dp != self.nproc:
             raise InvalidValue("dp", self.dp, f"nproc={self.nproc} when tp, pp and cp are 1")
+        if self.timeline is not None and (self.pp == 1 or Path(self.timeline).suffix not in (".png", ".json")
+                                          or not Path(self.timeline).parent.is_dir()):
+            raise InvalidValue("timeline", self.timeline, "a .png (chart) or .json (Chrome / Perfetto trace) path in an "
+                               "existing folder, with --pp > 1")
         if self.offload and not self.strategy.startswith("zero"):
             raise InvalidValue("offload", True, "with --strategy zero1, zero2 or zero3 (ZeRO-Offload)")
         for name in ("nproc", "steps", "seq", "global_batch", "micro_batch"):
@@ -279,7 +285,7 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
     data = TokenBatches(tokens, config.seq, config.global_batch, config.seed)
     count = sum(p.numel() for p in held)
     result = TrainResult(first_step=start, parameters=count, padded_parameters=count)
-    bubbles = []
+    bubbles, executed = [], None
     for step in range(start, config.steps):
         began = time.perf_counter()
         inputs, targets = data.step(step, 0, 1)  # the global batch: composed_step shards it
@@ -298,11 +304,17 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
         if pipeline is not None:
             spans = [None] * config.pp
             dist.all_gather_object(spans, pipeline.last_spans, group=mesh.pp.group)
-            bubbles.append(executed_bubble(spans))
+            executed = executed_timeline(pipeline.schedule, spans)
+            bubbles.append(executed.bubble)
         if progress is not None:
             progress(step + 1, loss, config.global_batch * config.seq / result.step_s[-1])
         if config.checkpoint_dir and _checkpoint_due(config, step):
             checkpoint.save(config.checkpoint_dir, step + 1, rank, state())
+    if config.timeline and executed is not None and rank.rank == 0:
+        if config.timeline.endswith(".png"):
+            render_png(pipeline.schedule, executed, config.timeline, "seconds")
+        else:
+            Path(config.timeline).write_text(chrome_trace(executed))
     steps_run = max(1, config.steps - start)
     result.wire_bytes_per_step = {name: sum(log.bytes_sent.values()) / steps_run for name, log in logs.items()}
     result.bubble = statistics.median(bubbles[1:] or bubbles) if bubbles else None
