@@ -72,6 +72,9 @@ def mlsys(*args, **kwargs):
     (["--pp", "2", "--interleave", "2"], "interleave"),
     (["--pp", "2", "--microbatches", "3"], "microbatches"),
     (["--dp", "1"], "dp"),
+    (["--sequence-parallel"], "sequence_parallel"),  # no TP
+    (["--tp", "2", "--strategy", "zero1", "--sequence-parallel"], "sequence_parallel"),
+    (["--nproc", "4", "--tp", "2", "--cp", "2", "--sequence-parallel"], "sequence_parallel"),
     (["--timeline", "timeline.png"], "timeline"),  # no pipeline to draw
     (["--pp", "2", "--timeline", "timeline.svg"], "timeline"),
 ])
@@ -187,11 +190,13 @@ def single_process_losses(tiny):
 
 
 def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny, single_process_losses, tmp_path):
-    """--tp 2, --pp 2 (tied embeddings across the stages) and --cp 2 reproduce one process's losses;
-    TP, PP and CP bytes on the wire equal the prediction, and PP reports its executed bubble and draws it."""
+    """--tp 2 (with and without sequence parallelism), --pp 2 (tied embeddings across the stages) and --cp 2
+    reproduce one process's losses; TP (with SP, the norms' summed gradients too), PP and CP bytes on the wire equal
+    the prediction, and PP reports its executed bubble and draws it."""
     reference = single_process_losses
     chart = tmp_path / "timeline.png"
-    for args in (["--tp", "2"], ["--pp", "2", "--microbatches", "4", "--timeline", str(chart)], ["--cp", "2"]):
+    for args in (["--tp", "2"], ["--tp", "2", "--sequence-parallel"], ["--pp", "2", "--microbatches", "4", "--timeline",
+                                                                        str(chart)], ["--cp", "2"]):
         report = _train_json(tiny, "--steps", "3", *args)
         assert report["result"]["losses"] == pytest.approx(reference, rel=1e-5), args
         wire = report["predicted_vs_measured"]["wire_bytes_per_step"]

@@ -46,6 +46,8 @@ def train_command(
     schedule: Annotated[str, typer.Option(help="pipeline schedule: gpipe, 1f1b, interleaved or pipedream (a pipeline alone, untied embeddings)")] = "1f1b",
     microbatches: Annotated[Optional[int], typer.Option("--microbatches", help="microbatches per step per data-parallel rank (sets --micro-batch)")] = None,
     interleave: Annotated[int, typer.Option(help="model chunks per pipeline rank (--schedule interleaved)")] = 1,
+    sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel", help="under --tp: norms and residuals on "
+                                                    "1/tp of the sequence, reduce-scatter + all-gather for all-reduce")] = False,
     timeline: Annotated[Optional[Path], typer.Option(help="under --pp: draw the last step's executed timeline here "
                                                      "(.png chart, or .json Chrome / Perfetto trace)")] = None,
     json: Json = False,
@@ -60,7 +62,8 @@ def train_command(
                          global_batch=global_batch, micro_batch=1, lr=lr, bf16=bf16, offload=offload, seed=seed,
                          checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
                          checkpoint_every=checkpoint_every, resume=resume, tp=tp, pp=pp, cp=cp, ep=ep, dp=dp,
-                         schedule=schedule, interleave=interleave, timeline=str(timeline.resolve()) if timeline else None)
+                         schedule=schedule, interleave=interleave, timeline=str(timeline.resolve()) if timeline else None,
+                         sequence_parallel=sequence_parallel)
     config.micro_batch = micro_batch or _micro_batch(config, microbatches)
     config.validate()
     hw, measured = resolve_hardware(hardware, hardware_spec, "bf16" if bf16 else "fp32") if (hardware or hardware_spec) else (None, {})
@@ -111,7 +114,7 @@ def _micro_batch(config, microbatches: int | None) -> int:
 
 def _print(config, result, comparison) -> None:
     losses = result["losses"]
-    how = (f"dp{config.data_parallel}·pp{config.pp}·cp{config.cp}·tp{config.tp}"
+    how = (f"dp{config.data_parallel}·pp{config.pp}·cp{config.cp}·tp{config.tp}" + (" (sp)" if config.sequence_parallel else "")
            + (f" (ep{config.ep} inside dp)" if config.ep > 1 else "")
            + (f" {config.schedule}" if config.pp > 1 else "") if config.on_mesh else config.strategy)
     console.print(f"[bold]{config.model['name']}[/] ({result['parameters']:,} parameters on rank 0), {how}"

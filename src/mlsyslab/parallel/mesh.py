@@ -47,7 +47,7 @@ from mlsyslab.parallel.context import ring_attention, zigzag_indices
 from mlsyslab.parallel.expert import ExpertDispatch, ExpertParallel
 from mlsyslab.parallel.pipeline import PipelineRank, mean_cross_entropy
 from mlsyslab.parallel.schedules import build
-from mlsyslab.parallel.tensor import (TensorGroup, TensorParallelExperts, parallelize_llama,
+from mlsyslab.parallel.tensor import (TensorGroup, TensorParallelExperts, parallelize_llama, sync_replicated_gradients,
                                       vocab_parallel_cross_entropy)
 
 DIMENSIONS = ("pp", "dp", "cp", "tp")
@@ -136,7 +136,8 @@ def _rank_in(rank: Rank, group, local: int | None = None) -> Rank:
 
 def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
                   pipeline: PipelineRank | None = None, logs: dict | None = None,
-                  reduce_data_parallel: bool = True, tied_gradient=None, optimizer=None) -> float:
+                  reduce_data_parallel: bool = True, tied_gradient=None, optimizer=None,
+                  sequence_parallel: bool = False) -> float:
     """Forward and backward of this rank's share of a global batch; returns the global mean loss.
 
     `inputs`/`targets` are the global batch [B, s]; DP takes rows, CP takes zig-zag columns, and the DP
@@ -151,6 +152,8 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
     gradient, `ZeroDataParallel.shard_gradient`; under ZeRO-3 the module holds no weight to ask): the
     tensor to sum over the pipeline for the tied embedding, its slice, summed slice by slice.
     `optimizer`, under the PipeDream schedule: what each stage steps after every backward (`PipelineRank.step`).
+    `sequence_parallel` (a model `prepare`d with it, without PP or CP): each TP rank's norm weights saw only its
+    tokens, so their gradients are summed over the TP group once the microbatches are done.
     """
     layout, logs = mesh.layout, logs or {}
     rows = inputs.chunk(layout.dp)[mesh.dp.rank], targets.chunk(layout.dp)[mesh.dp.rank]
@@ -163,6 +166,8 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
     else:  # the rows in microbatches whose gradients accumulate
         loss = sum(_microbatch_backward(model, mesh, x, y, microbatches, logs, reduce_data_parallel)
                    for x, y in zip(rows[0].chunk(microbatches), rows[1].chunk(microbatches)))
+        if sequence_parallel:
+            sync_replicated_gradients(model, TensorGroup(mesh.tp, logs.get("tensor_parallel")))
         if layout.cp > 1:
             dist.all_reduce(loss, group=mesh.cp.group)
             if reduce_data_parallel:
@@ -206,14 +211,16 @@ def _microbatch_backward(model: Llama, mesh: MeshRanks, x: torch.Tensor, y: torc
 
 
 def prepare(model: Llama, mesh: MeshRanks, microbatches: int, schedule: str = "1f1b", interleave: int = 1,
-            logs: dict | None = None, dtype: torch.dtype | None = None) -> tuple[Llama, PipelineRank | None]:
-    """Split `model` (the same full weights on every rank) by TP, then into this rank's pipeline stages.
+            logs: dict | None = None, dtype: torch.dtype | None = None, sequence_parallel: bool = False
+            ) -> tuple[Llama, PipelineRank | None]:
+    """Split `model` (the same full weights on every rank) by TP (with `sequence_parallel`, the activations between
+    blocks split along the sequence), then into this rank's pipeline stages.
     `dtype`: what activations cross the pipeline in (default: the model's; bf16 for a model that
     mixed-precision ZeRO casts after this)."""
     layout, logs = mesh.layout, logs or {}
     tp = TensorGroup(mesh.tp, logs.get("tensor_parallel"))
     if layout.tp > 1:
-        parallelize_llama(model, tp)
+        parallelize_llama(model, tp, sequence_parallel)
     if layout.ep > 1:
         for layer in model.layers:
             if isinstance(layer.mlp, MixtureOfExperts):

@@ -34,8 +34,8 @@ class TensorGroup:
     """The tensor-parallel group of one rank, and the log its collectives write to."""
 
     def __init__(self, rank: Rank, log: CommLog | None = None, use_shared_memory: bool = True):
-        """use_shared_memory: all-reduce through `comm.shared_memory` where it applies (False: always the process
-        group's, as DTensor does)."""
+        """use_shared_memory: all-reduce, all-gather and reduce-scatter through `comm.shared_memory` where it applies
+        (False: always the process group's, as DTensor does)."""
         self.rank, self.log, self.use_shared_memory = rank, log, use_shared_memory
         self.size, self.index, self.group = rank.world_size, rank.rank, rank.group
 
@@ -43,7 +43,7 @@ class TensorGroup:
         """Sum (or with `maximum`, the elementwise maximum) over the group, logged as `op`: through shared memory
         where every rank is a CPU process on this host (`comm.shared_memory`), else the process group's all-reduce."""
         x = x.contiguous()
-        shared = shared_memory.for_group(self.rank) if self.use_shared_memory else None
+        shared = self._shared_memory()
         if shared is not None:
             traced(self.log, op, nbytes(x), self.size, shared.all_reduce, x, maximum)
         else:
@@ -55,15 +55,27 @@ class TensorGroup:
         """[b, s/t, ...] on each rank → [b, s, ...] on every rank."""
         local = x.transpose(0, 1).contiguous()
         full = torch.empty((local.shape[0] * self.size, *local.shape[1:]), dtype=x.dtype, device=x.device)
-        traced(self.log, "all_gather", nbytes(full), self.size, all_gather_single, full, local, group=self.group)
+        shared = self._shared_memory()
+        if shared is not None:
+            traced(self.log, "all_gather", nbytes(full), self.size, shared.all_gather, full, local)
+        else:
+            traced(self.log, "all_gather", nbytes(full), self.size, all_gather_single, full, local, group=self.group)
         return full.transpose(0, 1)
 
     def reduce_scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """Partial sums [b, s, ...] → this rank's sequence slice of their sum, [b, s/t, ...]."""
         full = x.transpose(0, 1).contiguous()
         local = torch.empty((full.shape[0] // self.size, *full.shape[1:]), dtype=x.dtype, device=x.device)
-        traced(self.log, "reduce_scatter", nbytes(full), self.size, reduce_scatter_single, local, full, group=self.group)
+        shared = self._shared_memory()
+        if shared is not None:
+            traced(self.log, "reduce_scatter", nbytes(full), self.size, shared.reduce_scatter, local, full)
+        else:
+            traced(self.log, "reduce_scatter", nbytes(full), self.size, reduce_scatter_single, local, full, group=self.group)
         return local.transpose(0, 1)
+
+    def _shared_memory(self):
+        """The group's shared-memory collectives where they apply (`comm.shared_memory`), else None."""
+        return shared_memory.for_group(self.rank) if self.use_shared_memory else None
 
 
 class _Enter(torch.autograd.Function):

@@ -15,7 +15,8 @@ and, under PP, the bubble of the executed timeline, for `verify.training.compare
 (with every layout: parallel/mesh_zero.py). An MoE model (a catalog spec with
 `moe`, e.g. from --model-spec) always takes the mesh trainer, which adds its load-balancing loss; --ep
 splits its experts over the DP ranks, --tp splits every expert (and with both, each TP slice of the
-experts is spread over EP).
+experts is spread over EP). --sequence-parallel (under TP, without PP, CP or ZeRO) splits the activations
+between blocks along the sequence and sums the norms' gradients over TP once a step.
 Under --cp every ZeRO stage shards over the DP and CP ranks together (they hold the same weights);
 under --ep an MoE model's experts are sharded over the DP × CP ranks that hold the same experts.
 Under --pp, ZeRO-2 and -3 sum the tied embedding's gradient over the pipeline slice by slice (it has a
@@ -82,6 +83,7 @@ class TrainConfig:
     schedule: str = "1f1b"
     interleave: int = 1  # model chunks per pipeline rank (interleaved 1F1B)
     timeline: str | None = None  # under PP: where rank 0 draws the last step's executed timeline (.png or .json)
+    sequence_parallel: bool = False  # under TP: activations between blocks split along the sequence (Korthikanti)
 
     @property
     def on_mesh(self) -> bool:
@@ -114,6 +116,8 @@ class TrainConfig:
             self._validate_mesh()
         elif self.dp is not None and self.dp != self.nproc:
             raise InvalidValue("dp", self.dp, f"nproc={self.nproc} when tp, pp and cp are 1")
+        if self.sequence_parallel and not self.on_mesh:
+            raise InvalidValue("sequence_parallel", True, "with --tp > 1")
         if self.timeline is not None and (self.pp == 1 or Path(self.timeline).suffix not in (".png", ".json")
                                           or not Path(self.timeline).parent.is_dir()):
             raise InvalidValue("timeline", self.timeline, "a .png (chart) or .json (Chrome / Perfetto trace) path in an "
@@ -150,6 +154,12 @@ class TrainConfig:
 
     def _validate_mesh(self) -> None:
         """What the mesh trainer does not do yet, named before launch."""
+        if self.sequence_parallel and (self.tp == 1 or self.pp * self.cp > 1 or self.strategy != "ddp"
+                                       or self.seq % self.tp):
+            # the pipeline passes whole sequences between stages, ring attention its own shards, and ZeRO reduces the
+            # norms' gradients before sequence parallelism has summed them over TP
+            raise InvalidValue("sequence_parallel", True, f"with --tp > 1 dividing --seq, without --pp, --cp or ZeRO "
+                               f"(tp={self.tp}, seq={self.seq}, pp={self.pp}, cp={self.cp}, strategy={self.strategy})")
         if self.schedule not in SCHEDULES:
             raise InvalidValue("schedule", self.schedule, ", ".join(SCHEDULES))
         if self.interleave > 1 and self.schedule != "interleaved":
@@ -267,7 +277,8 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
     compute = torch.bfloat16 if config.bf16 else torch.float32  # ZeRO casts its weights to it (mixed precision)
     model = build_model(config, compute if config.strategy == "ddp" else torch.float32)
     mesh = build_mesh(rank, config.layout)
-    model, pipeline = prepare(model, mesh, config.microbatches, config.schedule, config.interleave, logs, compute)
+    model, pipeline = prepare(model, mesh, config.microbatches, config.schedule, config.interleave, logs, compute,
+                              config.sequence_parallel)
     module = pipeline.chunks if pipeline is not None else model
     held = list(module.parameters())
     adamw = lambda params: torch.optim.AdamW(params, lr=config.lr, weight_decay=0.1, foreach=False)  # noqa: E731
@@ -292,7 +303,8 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
         if config.schedule == "pipedream":  # the stages stepped the optimizer after every backward
             loss = composed_step(model, mesh, inputs, targets, config.microbatches, pipeline, logs, optimizer=optimizer)
         elif zero is None:
-            loss = composed_step(model, mesh, inputs, targets, config.microbatches, pipeline, logs)
+            loss = composed_step(model, mesh, inputs, targets, config.microbatches, pipeline, logs,
+                                 sequence_parallel=config.sequence_parallel)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         else:

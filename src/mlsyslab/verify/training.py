@@ -91,7 +91,7 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
                        zero=config.zero_stage,
                        micro_batch=config.micro_batch,
                        global_batch=config.global_batch, seq=config.seq, schedule=config.schedule,
-                       interleave=config.interleave)
+                       interleave=config.interleave, sequence_parallel=config.sequence_parallel)
     dtype, width = run_dtype(config)  # width: the bytes of an activation and of a gradient on the wire
     carrier = hardware if hardware is not None else Hardware.of(*catalog.hardware("dgx-h100"), dtype)
     prediction = predict_training(spec, carrier, layout,
@@ -101,6 +101,9 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
     wire = {name: float(np.asarray(value).reshape(-1)[0]) for name, value in prediction.wire_bytes.items()
             if name != "expert_parallel" or config.ep > 1}
     wire["tensor_parallel"] += vocab_parallel_bytes(config, spec, head=config.pp == 1)  # rank 0: the first stage
+    if config.sequence_parallel:  # each rank's norm weights saw its tokens: their gradients summed over TP, once a step
+        norms = (2 * spec.layers + 1) * spec.hidden * width
+        wire["tensor_parallel"] += float(ring_all_reduce_bytes_per_rank(norms, config.tp))
     v = config.interleave
     wire["pipeline_p2p"] *= (2 * v - 1) / (2 * v)  # the first stage sends no gradient back from virtual stage 0
     if config.pp > 1 and spec.tied_embeddings:  # the tied embedding's gradient, summed over the pipeline
