@@ -209,6 +209,20 @@ def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny, 
             assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 5000
         if "--cp" in args:  # K/V around the ring and the weights' gradients summed over the CP group
             assert wire["context_parallel"]["measured"] == pytest.approx(wire["context_parallel"]["predicted"])
+        activations = report["predicted_vs_measured"]["memory_bytes"]["activations"]  # Korthikanti's formula; our
+        assert 1.0 <= activations["ratio"] < 1.3, (args, activations)  # layers keep rope's and attention's outputs too
+
+
+def test_pipeline_schedules_hold_the_activations_predict_says(untied):
+    """The first stage's activations held at once, measured from what autograd saves: GPipe keeps all m = 4
+    microbatches, 1F1B p = 2 of them — exactly twice the bytes — and each as predict.memory states it within 30%."""
+    held = {}
+    for schedule in ("gpipe", "1f1b"):
+        report = _train_json(untied, "--pp", "2", "--microbatches", "4", "--schedule", schedule, "--steps", "2")
+        held[schedule] = report["predicted_vs_measured"]["memory_bytes"]["activations"]
+        assert 1.0 <= held[schedule]["ratio"] < 1.3, (schedule, held[schedule])
+    assert held["gpipe"]["measured"] == pytest.approx(2 * held["1f1b"]["measured"], rel=0.01)
+    assert held["gpipe"]["predicted"] == pytest.approx(2 * held["1f1b"]["predicted"])
 
 
 @pytest.fixture(scope="module")

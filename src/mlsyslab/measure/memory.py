@@ -42,11 +42,18 @@ class ActivationMeter:
     """Counts the bytes autograd saves for backward: `with meter.track(model.parameters()): loss = ...`.
 
     Tensors living in the storage of the given parameters (weights and their views) are not activations.
+    Across forwards whose activations are held at once (a pipeline's microbatches in flight), each tracked
+    forward adds its bytes to `held_bytes` until its backward `release`s them; `peak_bytes` is the most held.
     """
 
     def __init__(self):
-        self.saved_bytes = 0
+        self.saved_bytes = 0  # by the latest tracked forward
+        self.held_bytes = self.peak_bytes = 0
         self._storages: set = set()
+
+    def release(self, nbytes: int) -> None:
+        """A tracked forward's activations are freed (its backward ran)."""
+        self.held_bytes -= nbytes
 
     @contextmanager
     def track(self, parameters=()):
@@ -62,3 +69,5 @@ class ActivationMeter:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             yield self
+        self.held_bytes += self.saved_bytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)

@@ -30,6 +30,7 @@ any layout (under PP with ZeRO-2 and -3 the tied embedding's gradient is summed 
 ranks holding the same experts (`edcp`).
 """
 
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -41,6 +42,7 @@ from mlsyslab.comm.launch import Rank
 from mlsyslab.comm.log import CommLog, nbytes, traced
 from mlsyslab.comm.p2p import Wire
 from mlsyslab.errors import InvalidValue
+from mlsyslab.measure.memory import ActivationMeter
 from mlsyslab.nn.llama import Llama
 from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, MixtureOfExperts, load_balancing_loss
 from mlsyslab.parallel.context import ring_attention, zigzag_indices
@@ -137,7 +139,7 @@ def _rank_in(rank: Rank, group, local: int | None = None) -> Rank:
 def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
                   pipeline: PipelineRank | None = None, logs: dict | None = None,
                   reduce_data_parallel: bool = True, tied_gradient=None, optimizer=None,
-                  sequence_parallel: bool = False) -> float:
+                  sequence_parallel: bool = False, meter: ActivationMeter | None = None) -> float:
     """Forward and backward of this rank's share of a global batch; returns the global mean loss.
 
     `inputs`/`targets` are the global batch [B, s]; DP takes rows, CP takes zig-zag columns, and the DP
@@ -154,17 +156,18 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
     `optimizer`, under the PipeDream schedule: what each stage steps after every backward (`PipelineRank.step`).
     `sequence_parallel` (a model `prepare`d with it, without PP or CP): each TP rank's norm weights saw only its
     tokens, so their gradients are summed over the TP group once the microbatches are done.
+    `meter`: counts the activations each forward saves for its backward; its peak is what this rank held at once.
     """
     layout, logs = mesh.layout, logs or {}
     rows = inputs.chunk(layout.dp)[mesh.dp.rank], targets.chunk(layout.dp)[mesh.dp.rank]
     if layout.pp > 1:
-        loss = pipeline.step(*rows, optimizer)[0]
+        loss = pipeline.step(*rows, optimizer, meter)[0]
         loss = torch.tensor(0.0 if loss is None else loss, dtype=torch.float64)
         dist.all_reduce(loss, group=mesh.pp.group)  # only the last stage had it
         if model.config.tied_embeddings:
             _sum_tied_embedding_gradient(model, mesh.pp, logs.get("pipeline_p2p"), tied_gradient)
     else:  # the rows in microbatches whose gradients accumulate
-        loss = sum(_microbatch_backward(model, mesh, x, y, microbatches, logs, reduce_data_parallel)
+        loss = sum(_microbatch_backward(model, mesh, x, y, microbatches, logs, reduce_data_parallel, meter)
                    for x, y in zip(rows[0].chunk(microbatches), rows[1].chunk(microbatches)))
         if sequence_parallel:
             sync_replicated_gradients(model, TensorGroup(mesh.tp, logs.get("tensor_parallel")))
@@ -183,11 +186,22 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
 
 
 def _microbatch_backward(model: Llama, mesh: MeshRanks, x: torch.Tensor, y: torch.Tensor, microbatches: int,
-                         logs: dict, reduce_data_parallel: bool) -> torch.Tensor:
+                         logs: dict, reduce_data_parallel: bool, meter: ActivationMeter | None = None) -> torch.Tensor:
     """Forward and backward of one of a rank's `microbatches` (without PP): its loss over 1/microbatches of the
     rank's rows; under CP this rank's zig-zag share of each sequence through ring attention (its loss
     summed over its tokens, over the microbatch's; with ZeRO, cp × that: see `composed_step`), under TP
     the vocabulary-parallel loss; an MoE model adds its load-balancing loss. Returns the detached share."""
+    with meter.track(model.parameters()) if meter is not None else nullcontext():
+        loss = _microbatch_loss(model, mesh, x, y, microbatches, logs)
+    (loss if reduce_data_parallel else mesh.layout.cp * loss).backward()
+    if meter is not None:
+        meter.release(meter.saved_bytes)
+    return loss.detach()
+
+
+def _microbatch_loss(model: Llama, mesh: MeshRanks, x: torch.Tensor, y: torch.Tensor, microbatches: int,
+                     logs: dict) -> torch.Tensor:
+    """The forward of `_microbatch_backward`: the microbatch's share of the loss."""
     layout = mesh.layout
     if layout.cp > 1:
         positions = zigzag_indices(x.shape[1], layout.cp, mesh.cp.rank)
@@ -205,9 +219,7 @@ def _microbatch_backward(model: Llama, mesh: MeshRanks, x: torch.Tensor, y: torc
     balance = load_balancing_loss(model)  # over this rank's tokens: under CP the CP ranks' mean joins the loss
     if balance is not None:
         loss = loss + AUX_LOSS_WEIGHT * balance / layout.cp
-    loss = loss / microbatches
-    (loss if reduce_data_parallel else layout.cp * loss).backward()
-    return loss.detach()
+    return loss / microbatches
 
 
 def prepare(model: Llama, mesh: MeshRanks, microbatches: int, schedule: str = "1f1b", interleave: int = 1,

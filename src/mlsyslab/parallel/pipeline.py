@@ -28,6 +28,7 @@ unpipelined model, and PipeDream to a single-process replay, in tests/parallel/t
 """
 
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,7 @@ from mlsyslab.comm.launch import Rank
 from mlsyslab.comm.log import CommLog
 from mlsyslab.comm.p2p import Wire
 from mlsyslab.errors import InvalidValue
+from mlsyslab.measure.memory import ActivationMeter
 from mlsyslab.nn.llama import Llama, causal_attention, rope_cos_sin, rope_inverse_frequencies
 from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, MixtureOfExperts, balancing_losses
 from mlsyslab.parallel.schedules import Schedule, Timeline
@@ -128,14 +130,15 @@ class PipelineRank:
         self.last_spans: list = []  # the executed timeline of the latest step
         self.moe_layers = sum(isinstance(module, MixtureOfExperts) for module in model.modules())
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, optimizer: torch.optim.Optimizer | None = None
-             ) -> tuple[float | None, list]:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, optimizer: torch.optim.Optimizer | None = None,
+             meter: ActivationMeter | None = None) -> tuple[float | None, list]:
         """One pipeline step over the microbatches of `inputs` / `targets` ([m·b, s] each).
 
         Returns the mean loss (on the rank that holds the last stage, else None) and the executed
         timeline [(action, start_s, end_s)], times from `time.perf_counter()` (one clock for every
         process of a machine). Under "pipedream", `optimizer` (over this rank's chunks) steps after
-        every backward; otherwise gradients accumulate for the caller to apply.
+        every backward; otherwise gradients accumulate for the caller to apply. `meter` counts the bytes each
+        forward saves for its backward, held until that backward: its peak is what the microbatches in flight hold.
         """
         if self.stashes is not None and optimizer is None:
             raise InvalidValue("optimizer", None, "an optimizer over this rank's chunks (PipeDream updates after "
@@ -156,25 +159,29 @@ class PipelineRank:
             if action.kind == "F":
                 x = micro_inputs[action.microbatch] if incoming is None else incoming[1].requires_grad_(True)
                 began = time.perf_counter()
-                out = chunk(x) if self.stashes is None else self.stashes[action.chunk].forward(action.microbatch, x)
-                share = 1 if self.stashes is not None else m  # PipeDream: each microbatch's own update
-                balance = self._balance(chunk, share)
-                if balance is not None:
-                    balances.append(balance.detach() * share / m)
-                if stage == self.last_stage:
-                    loss = self.loss(out, micro_targets[action.microbatch])
-                    losses[action.microbatch] = loss.detach() / m
-                    out = loss / share if balance is None else loss / share + balance
-                else:
-                    sends.append(self.wire.isend(out.detach(), self._owner(stage + 1)))
+                weights = chunk.parameters() if self.stashes is None else self.stashes[action.chunk].current().values()
+                with meter.track(weights) if meter is not None else nullcontext():
+                    out = chunk(x) if self.stashes is None else self.stashes[action.chunk].forward(action.microbatch, x)
+                    share = 1 if self.stashes is not None else m  # PipeDream: each microbatch's own update
+                    balance = self._balance(chunk, share)
                     if balance is not None:
-                        out = WithLoss.apply(out, balance)
-                kept[(action.microbatch, action.chunk)] = (x, out)
+                        balances.append(balance.detach() * share / m)
+                    if stage == self.last_stage:
+                        loss = self.loss(out, micro_targets[action.microbatch])
+                        losses[action.microbatch] = loss.detach() / m
+                        out = loss / share if balance is None else loss / share + balance
+                    else:
+                        sends.append(self.wire.isend(out.detach(), self._owner(stage + 1)))
+                        if balance is not None:
+                            out = WithLoss.apply(out, balance)
+                kept[(action.microbatch, action.chunk)] = (x, out, meter.saved_bytes if meter is not None else 0)
                 self.peak_activations = max(self.peak_activations, len(kept))
             else:
-                x, out = kept.pop((action.microbatch, action.chunk))
+                x, out, saved = kept.pop((action.microbatch, action.chunk))
                 began = time.perf_counter()
                 out.backward(None if incoming is None else incoming[1])  # the last stage starts from its loss
+                if meter is not None:
+                    meter.release(saved)
                 if stage > 0:
                     sends.append(self.wire.isend(x.grad, self._owner(stage - 1)))
                 if self.stashes is not None:

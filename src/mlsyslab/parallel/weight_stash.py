@@ -31,11 +31,16 @@ class WeightStash:
         self.pending: dict[int, int] = {}  # version -> microbatches whose backward is still to come
         self.used: dict[int, int] = {}  # microbatch -> version its forward (and so its backward) used
 
-    def forward(self, microbatch: int, *inputs) -> torch.Tensor:
-        """Run the module on the current weights, through a copy kept for this microbatch's backward."""
+    def current(self) -> dict[str, torch.Tensor]:
+        """The copy of the current weights the next forward runs on (made on the version's first forward)."""
         if self.version not in self.copies:
             self.copies[self.version] = {name: parameter.detach().clone().requires_grad_(parameter.requires_grad)
                                          for name, parameter in self.module.named_parameters()}
+        return self.copies[self.version]
+
+    def forward(self, microbatch: int, *inputs) -> torch.Tensor:
+        """Run the module on the current weights, through a copy kept for this microbatch's backward."""
+        self.current()
         self.pending[self.version] = self.pending.get(self.version, 0) + 1
         self.used[microbatch] = self.version
         return functional_call(self.module, self.copies[self.version], inputs)

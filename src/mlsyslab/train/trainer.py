@@ -9,8 +9,9 @@ category (from the tensors), activations saved for backward, bytes sent per op (
 the time per step. Launched by `mlsys train` through torchrun (train/worker.py).
 
 With --tp / --pp / --cp > 1 the same loop runs `parallel.mesh.composed_step` on a device mesh
-(DP × PP × CP × TP, with EP inside DP; `train_on_mesh`) and measures the bytes each dimension sends
-and, under PP, the bubble of the executed timeline, for `verify.training.compare_mesh_training`;
+(DP × PP × CP × TP, with EP inside DP; `train_on_mesh`) and measures the bytes each dimension sends, the
+activations rank 0 holds at once (in its first step) and, under PP, the bubble of the executed timeline, for
+`verify.training.compare_mesh_training`;
 `--strategy zero1` shards the optimizer state along DP, and zero2 / zero3 also the gradients / weights
 (with every layout: parallel/mesh_zero.py). An MoE model (a catalog spec with
 `moe`, e.g. from --model-spec) always takes the mesh trainer, which adds its load-balancing loss; --ep
@@ -185,7 +186,8 @@ class TrainResult:
     padded_parameters: int = 0
     held_bytes: dict = field(default_factory=dict)  # rank 0, by category
     held_bytes_max: dict = field(default_factory=dict)  # the largest over ranks
-    activation_bytes: int = 0  # saved for backward by one microbatch on rank 0
+    activation_bytes: int = 0  # saved for backward on rank 0: by one microbatch; on a mesh, the most held at once
+    stage_layers: int = 0  # on a mesh: the decoder layers rank 0 holds (its pipeline stages')
     wire_bytes_per_step: dict = field(default_factory=dict)  # rank 0, by op (on a mesh: by dimension)
     tokens_per_s: float = 0.0
     bubble: float | None = None  # on a mesh with pp > 1: median executed bubble (steps after the first)
@@ -296,21 +298,24 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
     data = TokenBatches(tokens, config.seq, config.global_batch, config.seed)
     count = sum(p.numel() for p in held)
     result = TrainResult(first_step=start, parameters=count, padded_parameters=count)
-    bubbles, executed = [], None
+    result.stage_layers = sum(len(chunk.layers) for chunk in pipeline.chunks) if pipeline else model.config.layers
+    bubbles, executed, meter = [], None, ActivationMeter()
     for step in range(start, config.steps):
         began = time.perf_counter()
         inputs, targets = data.step(step, 0, 1)  # the global batch: composed_step shards it
+        measure = meter if step == start else None  # the activations held at once, in the first step run
         if config.schedule == "pipedream":  # the stages stepped the optimizer after every backward
-            loss = composed_step(model, mesh, inputs, targets, config.microbatches, pipeline, logs, optimizer=optimizer)
+            loss = composed_step(model, mesh, inputs, targets, config.microbatches, pipeline, logs, optimizer=optimizer,
+                                 meter=measure)
         elif zero is None:
             loss = composed_step(model, mesh, inputs, targets, config.microbatches, pipeline, logs,
-                                 sequence_parallel=config.sequence_parallel)
+                                 sequence_parallel=config.sequence_parallel, meter=measure)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         else:
             loss = zero.train_step(lambda tied_gradient: composed_step(
                 model, mesh, inputs, targets, config.microbatches, pipeline, logs, reduce_data_parallel=False,
-                tied_gradient=tied_gradient))
+                tied_gradient=tied_gradient, meter=measure))
         result.step_s.append(time.perf_counter() - began)
         result.losses.append(loss)
         if pipeline is not None:
@@ -327,6 +332,7 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
             render_png(pipeline.schedule, executed, config.timeline, "seconds")
         else:
             Path(config.timeline).write_text(chrome_trace(executed))
+    result.activation_bytes = meter.peak_bytes
     steps_run = max(1, config.steps - start)
     result.wire_bytes_per_step = {name: sum(log.bytes_sent.values()) / steps_run for name, log in logs.items()}
     result.bubble = statistics.median(bubbles[1:] or bubbles) if bubbles else None

@@ -116,6 +116,8 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
         wire["context_parallel"] += float(ring_all_reduce_bytes_per_rank(result["parameters"] * width, config.cp))
     measured_step = float(np.median(result["step_s"][1:] or result["step_s"])) if result["step_s"] else None
     report = {
+        "memory_bytes": {"activations": _pair(mesh_activation_bytes(config, spec, prediction.memory, result["stage_layers"]),
+                                              result["activation_bytes"])},
         "wire_bytes_per_step": {name: _pair(wire[name], result["wire_bytes_per_step"].get(name, 0.0)) for name in wire},
         "bubble": _pair(float(np.asarray(prediction.bubble_fraction).reshape(-1)[0]) if config.pp > 1 else None,
                         result.get("bubble")),
@@ -124,6 +126,18 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
     if hardware is not None:
         report["step_s"] = _pair(float(prediction.step_s.reshape(-1)[0]), measured_step)
     return report
+
+
+def mesh_activation_bytes(config, spec: Model, memory, stage_layers: int) -> float:
+    """What rank 0 holds for backward at once, as predict.memory states it for the layout (Korthikanti's 16-bit
+    bytes per layer, TP and SP shares, the microbatches the schedule keeps in flight on the first stage), scaled to
+    the run's dtype and to the layers rank 0's stages hold (`parallel.pipeline.split` balances stages by cost, where
+    predict counts layers / pp), plus, on the rank that takes the loss, its fp32 log-probabilities of the vocabulary
+    slice (b·s/cp·vocab/tp)."""
+    width = run_dtype(config)[1]
+    layers = float(np.asarray(memory.activations).reshape(-1)[0]) * width / 2 * stage_layers / (spec.layers / config.pp)
+    loss = 4.0 * config.micro_batch * config.seq / config.cp * spec.vocab / config.tp if config.pp == 1 else 0.0
+    return layers + loss
 
 
 def vocab_parallel_bytes(config, spec: Model, head: bool = True) -> float:
