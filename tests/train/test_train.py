@@ -213,6 +213,23 @@ def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny, 
         assert 1.0 <= activations["ratio"] < 1.3, (args, activations)  # layers keep rope's and attention's outputs too
 
 
+def test_sequence_parallel_through_the_pipeline(tiny, single_process_losses):
+    """TP 2 × PP 2 with sequence parallelism: activations cross the pipeline as [b, s/2, h] and rope still sees
+    every position; the losses are one process's, and rank 0's TP bytes (its stage's layers, the entries' regathers
+    in backward, its norms' summed gradients) and pipeline bytes are predict's; it holds the activations predict
+    says (each entry keeps only its shard of the gathered input), less than without SP."""
+    layout = ("--nproc", "4", "--tp", "2", "--pp", "2", "--dp", "1", "--microbatches", "2", "--steps", "3")
+    report = _train_json(tiny, *layout, "--sequence-parallel")
+    assert report["result"]["losses"] == pytest.approx(single_process_losses, rel=1e-5)
+    for name in ("tensor_parallel", "pipeline_p2p"):
+        pair = report["predicted_vs_measured"]["wire_bytes_per_step"][name]
+        assert pair["measured"] == pytest.approx(pair["predicted"]), (name, pair)
+    held = report["predicted_vs_measured"]["memory_bytes"]["activations"]
+    assert 1.0 <= held["ratio"] < 1.35, held  # 1.31 at hidden 32: rope's and attention's outputs weigh more
+    without = _train_json(tiny, *layout)["predicted_vs_measured"]["memory_bytes"]["activations"]
+    assert held["measured"] < 0.85 * without["measured"]
+
+
 def test_pipeline_schedules_hold_the_activations_predict_says(untied):
     """The first stage's activations held at once, measured from what autograd saves: GPipe keeps all m = 4
     microbatches, 1F1B p = 2 of them — exactly twice the bytes — and each as predict.memory states it within 30%."""

@@ -154,8 +154,8 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
     gradient, `ZeroDataParallel.shard_gradient`; under ZeRO-3 the module holds no weight to ask): the
     tensor to sum over the pipeline for the tied embedding, its slice, summed slice by slice.
     `optimizer`, under the PipeDream schedule: what each stage steps after every backward (`PipelineRank.step`).
-    `sequence_parallel` (a model `prepare`d with it, without PP or CP): each TP rank's norm weights saw only its
-    tokens, so their gradients are summed over the TP group once the microbatches are done.
+    `sequence_parallel` (a model `prepare`d with it, without CP): each TP rank's norm weights saw only its tokens, so
+    their gradients are summed over the TP group once the microbatches are done.
     `meter`: counts the activations each forward saves for its backward; its peak is what this rank held at once.
     """
     layout, logs = mesh.layout, logs or {}
@@ -166,6 +166,8 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
         dist.all_reduce(loss, group=mesh.pp.group)  # only the last stage had it
         if model.config.tied_embeddings:
             _sum_tied_embedding_gradient(model, mesh.pp, logs.get("pipeline_p2p"), tied_gradient)
+        if sequence_parallel:
+            sync_replicated_gradients(model, TensorGroup(mesh.tp, logs.get("tensor_parallel")))
     else:  # the rows in microbatches whose gradients accumulate
         loss = sum(_microbatch_backward(model, mesh, x, y, microbatches, logs, reduce_data_parallel, meter)
                    for x, y in zip(rows[0].chunk(microbatches), rows[1].chunk(microbatches)))
@@ -243,7 +245,8 @@ def prepare(model: Llama, mesh: MeshRanks, microbatches: int, schedule: str = "1
         return model, None
     loss = (lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp)) if layout.tp > 1 else None
     pipeline = PipelineRank(model, mesh.pp, build(schedule, layout.pp, microbatches, interleave),
-                            log=logs.get("pipeline_p2p"), loss=loss, dtype=dtype)
+                            log=logs.get("pipeline_p2p"), loss=loss, dtype=dtype,
+                            sequence_shards=layout.tp if sequence_parallel else 1)
     return model, pipeline
 
 

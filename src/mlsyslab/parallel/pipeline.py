@@ -46,11 +46,12 @@ from mlsyslab.parallel.weight_stash import WeightStash
 
 
 class StageChunk(nn.Module):
-    """Layers [first, last) of a Llama, plus the embedding (first chunk) or norm and head (last chunk)."""
+    """Layers [first, last) of a Llama, plus the embedding (first chunk) or norm and head (last chunk).
+    `sequence_shards`: under sequence parallelism (t), what enters and leaves a chunk holds 1/t of the sequence."""
 
-    def __init__(self, model: Llama, first: int, last: int):
+    def __init__(self, model: Llama, first: int, last: int, sequence_shards: int = 1):
         super().__init__()
-        self.config = model.config
+        self.config, self.sequence_shards = model.config, sequence_shards
         self.embed = model.embed_tokens if first == 0 else None
         self.layers = nn.ModuleList(model.layers[first:last])
         self.is_last = last == model.config.layers
@@ -58,9 +59,10 @@ class StageChunk(nn.Module):
         self.head = model.lm_head if self.is_last else None
 
     def forward(self, x):
+        tokens = x.shape[1] if self.embed is not None else x.shape[1] * self.sequence_shards  # rope's: every position
         if self.embed is not None:
             x = self.embed(x)
-        positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)
+        positions = torch.arange(tokens).expand(x.shape[0], -1)
         cos, sin = rope_cos_sin(rope_inverse_frequencies(self.config), positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, lambda q, k, v: causal_attention(0, q, k, v))
@@ -115,14 +117,15 @@ class PipelineRank:
     """The chunks one rank holds and the schedule it follows."""
 
     def __init__(self, model: Llama, rank: Rank, schedule: Schedule, log: CommLog | None = None, loss=None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, sequence_shards: int = 1):
         if schedule.stages != rank.world_size:
             raise InvalidValue("stages", schedule.stages, f"the {rank.world_size} ranks of the pipeline group")
         self.rank, self.schedule, self.wire = rank, schedule, Wire(rank, log)
         self.loss = loss or mean_cross_entropy  # (logits, targets) -> mean loss; vocab-parallel under TP
         bounds = split(model, schedule.stages * schedule.chunks)
-        self.chunks = nn.ModuleList(StageChunk(model, *bounds[schedule.virtual_stage(rank.rank, c)])
+        self.chunks = nn.ModuleList(StageChunk(model, *bounds[schedule.virtual_stage(rank.rank, c)], sequence_shards)
                                     for c in range(schedule.chunks))
+        self.sequence_shards = sequence_shards  # sequence parallelism: activations travel as [b, s/t, hidden]
         self.hidden, self.last_stage = model.config.hidden, schedule.stages * schedule.chunks - 1
         self.dtype = dtype or model.norm.weight.dtype  # what activations travel in: the model's by default
         self.peak_activations = 0  # microbatch-chunks held at once, as executed
@@ -207,12 +210,14 @@ class PipelineRank:
 
     def _post_receive(self, action, micro_inputs) -> tuple | None:
         """Start receiving what `action` needs — F: the previous virtual stage's activation, B: the next
-        one's gradient, both [b, s, hidden] — and return (pending, buffer); None when it needs nothing."""
+        one's gradient, both [b, s/t, hidden] (t: `sequence_shards`) — and return (pending, buffer); None when it
+        needs nothing."""
         stage = self.schedule.virtual_stage(self.rank.rank, action.chunk)
         source = stage - 1 if action.kind == "F" else stage + 1
         if not 0 <= source <= self.last_stage:
             return None
-        buffer = torch.empty(*micro_inputs[action.microbatch].shape, self.hidden, dtype=self.dtype)
+        batch, tokens = micro_inputs[action.microbatch].shape
+        buffer = torch.empty(batch, tokens // self.sequence_shards, self.hidden, dtype=self.dtype)
         return self.wire.irecv(buffer, self._owner(source)), buffer
 
 

@@ -9,11 +9,13 @@ communication only at its two ends, through a pair of conjugate functions:
 That is 2 all-reduces of s·b·h per layer forward and 2 backward. With sequence parallelism the
 activations between blocks are split along the sequence instead of replicated: f becomes an
 all-gather along the sequence (reduce-scatter backward) and g a reduce-scatter (all-gather
-backward) — the same bytes, but norms and residuals run on 1/t of the tokens. The embedding is split
+backward) — the same bytes, but norms and residuals run on 1/t of the tokens; and a block's column-parallel
+entry keeps only its shard of the gathered input for backward, gathering it again there (one more all-gather of
+s·b·h per entry: `_GatheredLinears`; an MoE MLP's routed experts still keep the gathered tokens). The embedding is split
 by vocabulary rows, and the loss is computed without gathering the logits (vocab-parallel
 cross-entropy: max, sum of exponentials and target logit are each one all-reduce). An MoE MLP is
 split expert by expert behind the same f and g (`TensorParallelExperts`).
-Twin: predict.training (4 collectives of s·b·h per layer, 6 with recompute). Held against the
+Twin: predict.training (4 collectives of s·b·h per layer, 6 with recompute, and SP's regathers). Held against the
 single-process model in tests/parallel/test_tensor.py.
 """
 
@@ -91,6 +93,40 @@ class _Enter(torch.autograd.Function):
         return (ctx.tp.reduce_scatter_sequence(grad) if ctx.sp else ctx.tp.all_reduce(grad)), None, None
 
 
+class _GatheredLinears(torch.autograd.Function):
+    """Under sequence parallelism, into a column-parallel region and through its linears in one step: the sequence
+    is all-gathered for the products, and gathered again in backward, so that only this rank's shard of the input is
+    kept for backward rather than all t shards (Korthikanti et al. 2022 §4.2.2; Megatron-LM's
+    LinearWithGradAccumulationAndAsyncCommunication) — one more all-gather of s·b·h per entry, in backward.
+    Backward: each weight's gradient from the regathered input, the input's gradient reduce-scattered."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TensorGroup, *weights):
+        ctx.tp = tp
+        ctx.save_for_backward(x, *weights)
+        full = tp.all_gather_sequence(x)
+        return tuple(F.linear(full, weight) for weight in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        full = ctx.tp.all_gather_sequence(x)
+        flat = full.reshape(-1, full.shape[-1])
+        weight_grads = [grad.reshape(-1, grad.shape[-1]).t() @ flat for grad in grads]
+        input_grad = sum(grad @ weight for grad, weight in zip(grads, weights))
+        return (ctx.tp.reduce_scatter_sequence(input_grad), None, *weight_grads)
+
+
+def _enter_linears(x, tp: TensorGroup, sequence_parallel: bool, *linears) -> tuple:
+    """The column-parallel products of `linears` on x, entering the region once: f then each linear module (whose
+    hooks, ZeRO-3's gathers among them, run), or under SP the all-gather that keeps only the shard for backward
+    (`_GatheredLinears`, on the weights as they are: SP runs without ZeRO)."""
+    if sequence_parallel:
+        return _GatheredLinears.apply(x, tp, *(linear.weight for linear in linears))
+    x = _Enter.apply(x, tp, False)
+    return tuple(linear(x) for linear in linears)
+
+
 class _Leave(torch.autograd.Function):
     """Out of a row-parallel region: g (all-reduce / identity) or, with SP, reduce-scatter / all-gather."""
 
@@ -113,9 +149,9 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(source.weight.detach().chunk(tp.size, dim=0)[tp.index].clone())
 
     def forward(self, x):
-        if self.enter:
-            x = _Enter.apply(x, self.tp, self.sp)
-        return F.linear(x, self.weight)
+        if self.enter and self.sp:
+            return _enter_linears(x, self.tp, True, self)[0]
+        return F.linear(_Enter.apply(x, self.tp, False) if self.enter else x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -141,8 +177,7 @@ class _QKV(nn.Module):
         self.v = ColumnParallelLinear(attention.v_proj, tp, sequence_parallel, enter=False)
 
     def forward(self, x):
-        x = _Enter.apply(x, self.tp, self.sp)
-        return self.q(x), self.k(x), self.v(x)
+        return _enter_linears(x, self.tp, self.sp, self.q, self.k, self.v)
 
 
 class _GateUp(nn.Module):
@@ -153,8 +188,7 @@ class _GateUp(nn.Module):
         self.up = ColumnParallelLinear(mlp.up_proj, tp, sequence_parallel, enter=False)
 
     def forward(self, x):
-        x = _Enter.apply(x, self.tp, self.sp)
-        return self.gate(x), self.up(x)
+        return _enter_linears(x, self.tp, self.sp, self.gate, self.up)
 
 
 class _OnGradient(torch.autograd.Function):

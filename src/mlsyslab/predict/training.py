@@ -108,7 +108,12 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     tp_local = np.minimum(t, hw.scale_up_domain)
     tp_count = (4 + 2 * full) * layers
     tp_time = tp_count * coll.hierarchical_all_reduce_s(act_bytes, t, tp_local, **shared_link)
-    tp_bytes = tp_count * coll.ring_all_reduce_bytes_per_rank(act_bytes, t)
+    # Under SP each column-parallel entry (attention's, and a dense MLP's) gathers its input again in backward, so as
+    # to keep only its shard (Korthikanti et al. §4.2.2): an all-gather, half an all-reduce's bytes, per entry. Sent,
+    # but not timed: Megatron overlaps it with the input gradient's GEMM (ours does not: there the twin's SP step is
+    # short by these gathers).
+    sp_regathers = np.where(layout.sequence_parallel, 0.5 + 0.5 * (1 - moe_share), 0.0) * layers
+    tp_bytes = (tp_count + sp_regathers) * coll.ring_all_reduce_bytes_per_rank(act_bytes, t)
     # An MoE layer under TP also sums its routing weights' gradient (fp32, one per routed copy) in backward
     # (parallel.tensor.TensorParallelExperts); copies dropped over capacity send nothing.
     top_k = 0 if model.moe is None else model.moe.experts_per_token

@@ -16,8 +16,8 @@ activations rank 0 holds at once (in its first step) and, under PP, the bubble o
 (with every layout: parallel/mesh_zero.py). An MoE model (a catalog spec with
 `moe`, e.g. from --model-spec) always takes the mesh trainer, which adds its load-balancing loss; --ep
 splits its experts over the DP ranks, --tp splits every expert (and with both, each TP slice of the
-experts is spread over EP). --sequence-parallel (under TP, without PP, CP or ZeRO) splits the activations
-between blocks along the sequence and sums the norms' gradients over TP once a step.
+experts is spread over EP). --sequence-parallel (under TP, without CP or ZeRO) splits the activations between
+blocks, and between pipeline stages, along the sequence and sums the norms' gradients over TP once a step.
 Under --cp every ZeRO stage shards over the DP and CP ranks together (they hold the same weights);
 under --ep an MoE model's experts are sharded over the DP × CP ranks that hold the same experts.
 Under --pp, ZeRO-2 and -3 sum the tied embedding's gradient over the pipeline slice by slice (it has a
@@ -155,12 +155,11 @@ class TrainConfig:
 
     def _validate_mesh(self) -> None:
         """What the mesh trainer does not do yet, named before launch."""
-        if self.sequence_parallel and (self.tp == 1 or self.pp * self.cp > 1 or self.strategy != "ddp"
-                                       or self.seq % self.tp):
-            # the pipeline passes whole sequences between stages, ring attention its own shards, and ZeRO reduces the
-            # norms' gradients before sequence parallelism has summed them over TP
-            raise InvalidValue("sequence_parallel", True, f"with --tp > 1 dividing --seq, without --pp, --cp or ZeRO "
-                               f"(tp={self.tp}, seq={self.seq}, pp={self.pp}, cp={self.cp}, strategy={self.strategy})")
+        if self.sequence_parallel and (self.tp == 1 or self.cp > 1 or self.strategy != "ddp" or self.seq % self.tp):
+            # ring attention passes its own shards, and ZeRO reduces the norms' gradients before sequence parallelism
+            # has summed them over TP
+            raise InvalidValue("sequence_parallel", True, f"with --tp > 1 dividing --seq, without --cp or ZeRO "
+                               f"(tp={self.tp}, seq={self.seq}, cp={self.cp}, strategy={self.strategy})")
         if self.schedule not in SCHEDULES:
             raise InvalidValue("schedule", self.schedule, ", ".join(SCHEDULES))
         if self.interleave > 1 and self.schedule != "interleaved":

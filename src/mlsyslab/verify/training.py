@@ -83,10 +83,14 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
     """A --tp/--pp/--cp/--ep run beside predict.training on the same layout: bytes each dimension sends per
     step on rank 0, the pipeline bubble (analytic vs executed timeline), and the step time when
     `hardware` is given. Bytes and bubble do not depend on the hardware: without one they are taken
-    from a prediction at the run's dtype on a catalog system (DGX-H100), whose times are not shown."""
+    from a prediction at the run's dtype on a catalog system (DGX-H100), whose times are not shown.
+    Rank 0's bytes are predicted for the stage it holds: `parallel.pipeline.split` balances stages by cost, so
+    under PP rank 0 may hold more than layers / pp (predict's stage), and its bytes and activations are those of a
+    model of pp × its layers; the step time is predicted for the model as it is."""
     from mlsyslab.specs import catalog
 
-    spec = Model(**config.model)
+    whole = Model(**config.model)
+    spec = whole.model_copy(update={"layers": result["stage_layers"] * config.pp}) if config.pp > 1 else whole
     layout = Layout.of(dp=config.data_parallel, tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep,
                        zero=config.zero_stage,
                        micro_batch=config.micro_batch,
@@ -102,7 +106,7 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
             if name != "expert_parallel" or config.ep > 1}
     wire["tensor_parallel"] += vocab_parallel_bytes(config, spec, head=config.pp == 1)  # rank 0: the first stage
     if config.sequence_parallel:  # each rank's norm weights saw its tokens: their gradients summed over TP, once a step
-        norms = (2 * spec.layers + 1) * spec.hidden * width
+        norms = (2 * spec.layers / config.pp + (config.pp == 1)) * spec.hidden * width  # rank 0's (the final on the last)
         wire["tensor_parallel"] += float(ring_all_reduce_bytes_per_rank(norms, config.tp))
     v = config.interleave
     wire["pipeline_p2p"] *= (2 * v - 1) / (2 * v)  # the first stage sends no gradient back from virtual stage 0
@@ -116,26 +120,29 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
         wire["context_parallel"] += float(ring_all_reduce_bytes_per_rank(result["parameters"] * width, config.cp))
     measured_step = float(np.median(result["step_s"][1:] or result["step_s"])) if result["step_s"] else None
     report = {
-        "memory_bytes": {"activations": _pair(mesh_activation_bytes(config, spec, prediction.memory, result["stage_layers"]),
-                                              result["activation_bytes"])},
+        # under ZeRO-3 its units' own saved-tensor hooks take every tensor saved inside them (the innermost hook
+        # packs), so the meter sees only what is saved outside the units: not measured
+        "memory_bytes": {"activations": _pair(mesh_activation_bytes(config, spec, prediction.memory),
+                                              result["activation_bytes"] if config.zero_stage < 3 else None)},
         "wire_bytes_per_step": {name: _pair(wire[name], result["wire_bytes_per_step"].get(name, 0.0)) for name in wire},
         "bubble": _pair(float(np.asarray(prediction.bubble_fraction).reshape(-1)[0]) if config.pp > 1 else None,
                         result.get("bubble")),
         "step_s": _pair(None, measured_step),
     }
     if hardware is not None:
-        report["step_s"] = _pair(float(prediction.step_s.reshape(-1)[0]), measured_step)
+        timed = prediction if spec is whole else predict_training(
+            whole, carrier, layout, assumptions=assumptions.override({"gradient_reduce_bytes": width}))
+        report["step_s"] = _pair(float(timed.step_s.reshape(-1)[0]), measured_step)
     return report
 
 
-def mesh_activation_bytes(config, spec: Model, memory, stage_layers: int) -> float:
+def mesh_activation_bytes(config, spec: Model, memory) -> float:
     """What rank 0 holds for backward at once, as predict.memory states it for the layout (Korthikanti's 16-bit
     bytes per layer, TP and SP shares, the microbatches the schedule keeps in flight on the first stage), scaled to
-    the run's dtype and to the layers rank 0's stages hold (`parallel.pipeline.split` balances stages by cost, where
-    predict counts layers / pp), plus, on the rank that takes the loss, its fp32 log-probabilities of the vocabulary
-    slice (b·s/cp·vocab/tp)."""
+    the run's dtype, plus, on the rank that takes the loss, its fp32 log-probabilities of the vocabulary slice
+    (b·s/cp·vocab/tp)."""
     width = run_dtype(config)[1]
-    layers = float(np.asarray(memory.activations).reshape(-1)[0]) * width / 2 * stage_layers / (spec.layers / config.pp)
+    layers = float(np.asarray(memory.activations).reshape(-1)[0]) * width / 2
     loss = 4.0 * config.micro_batch * config.seq / config.cp * spec.vocab / config.tp if config.pp == 1 else 0.0
     return layers + loss
 
@@ -144,10 +151,13 @@ def vocab_parallel_bytes(config, spec: Model, head: bool = True) -> float:
     """TP bytes per step outside the decoder layers, which predict.training (4 per layer) leaves out:
     the vocabulary-parallel embedding's all-reduce of b·s·h forward, and on the stage with the head,
     its input-gradient all-reduce of b·s·h backward (in the run's dtype) and the loss's three all-reduces
-    of b·s fp32 (maximum, sum of exponentials, target logit) — per microbatch, ring volumes."""
+    of b·s fp32 (maximum, sum of exponentials, target logit), and under SP the head's all-gather of its input
+    again in backward — per microbatch, ring volumes."""
     if config.tp == 1:
         return 0.0
     tokens = config.micro_batch * config.seq / config.cp
     width = run_dtype(config)[1]
     per_microbatch = tokens * spec.hidden * width + (tokens * spec.hidden * width + 3 * tokens * 4 if head else 0.0)
-    return config.microbatches * float(ring_all_reduce_bytes_per_rank(per_microbatch, config.tp))
+    regather = tokens * spec.hidden * width if head and config.sequence_parallel else 0.0  # the head's, in backward
+    return config.microbatches * float(ring_all_reduce_bytes_per_rank(per_microbatch, config.tp)
+                                       + ring_shard_bytes_per_rank(regather, config.tp))
