@@ -149,9 +149,11 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(source.weight.detach().chunk(tp.size, dim=0)[tp.index].clone())
 
     def forward(self, x):
-        if self.enter and self.sp:
-            return _enter_linears(x, self.tp, True, self)[0]
-        return F.linear(_Enter.apply(x, self.tp, False) if self.enter else x, self.weight)
+        if not self.enter:  # behind a block's shared entry (_QKV, _GateUp)
+            return F.linear(x, self.weight)
+        if self.sp:
+            return _GatheredLinears.apply(x, self.tp, self.weight)[0]
+        return F.linear(_Enter.apply(x, self.tp, False), self.weight)
 
 
 class RowParallelLinear(nn.Module):

@@ -117,8 +117,11 @@ class TrainConfig:
             self._validate_mesh()
         elif self.dp is not None and self.dp != self.nproc:
             raise InvalidValue("dp", self.dp, f"nproc={self.nproc} when tp, pp and cp are 1")
-        if self.sequence_parallel and not self.on_mesh:
-            raise InvalidValue("sequence_parallel", True, "with --tp > 1")
+        if self.sequence_parallel and (self.tp == 1 or self.cp > 1 or self.strategy != "ddp" or self.seq % self.tp):
+            # ring attention passes its own shards, and ZeRO reduces the norms' gradients before sequence parallelism
+            # has summed them over TP
+            raise InvalidValue("sequence_parallel", True, f"with --tp > 1 dividing --seq, without --cp or ZeRO "
+                               f"(tp={self.tp}, seq={self.seq}, cp={self.cp}, strategy={self.strategy})")
         if self.timeline is not None and (self.pp == 1 or Path(self.timeline).suffix not in (".png", ".json")
                                           or not Path(self.timeline).parent.is_dir()):
             raise InvalidValue("timeline", self.timeline, "a .png (chart) or .json (Chrome / Perfetto trace) path in an "
@@ -155,11 +158,6 @@ class TrainConfig:
 
     def _validate_mesh(self) -> None:
         """What the mesh trainer does not do yet, named before launch."""
-        if self.sequence_parallel and (self.tp == 1 or self.cp > 1 or self.strategy != "ddp" or self.seq % self.tp):
-            # ring attention passes its own shards, and ZeRO reduces the norms' gradients before sequence parallelism
-            # has summed them over TP
-            raise InvalidValue("sequence_parallel", True, f"with --tp > 1 dividing --seq, without --cp or ZeRO "
-                               f"(tp={self.tp}, seq={self.seq}, cp={self.cp}, strategy={self.strategy})")
         if self.schedule not in SCHEDULES:
             raise InvalidValue("schedule", self.schedule, ", ".join(SCHEDULES))
         if self.interleave > 1 and self.schedule != "interleaved":
