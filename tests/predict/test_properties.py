@@ -1,14 +1,19 @@
 """Property tests: monotonicity, conservation, and that feasibility means what it says."""
 
+import itertools
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mlsyslab.errors import InvalidValue
 from mlsyslab.predict.architecture import parameters
 from mlsyslab.predict.hardware import Hardware
 from mlsyslab.predict.inference import predict_inference
 from mlsyslab.predict.layout import Layout
 from mlsyslab.predict.memory import model_state_bytes, stage_parameters
+from mlsyslab.predict.pipeline import balanced_split, stage_layers
 from mlsyslab.predict.planner import plan
 from mlsyslab.predict.training import predict_training
 from mlsyslab.specs import catalog
@@ -71,8 +76,9 @@ def test_tensor_parallel_shards_add_up_to_the_model(name, tp):
     """t ranks hold the sharded weights once and the replicated ones (norms, router) t times."""
     model = catalog.model(name)
     counts = parameters(model)
-    dense_1, experts_1 = stage_parameters(counts, Layout.of(tp=1))
-    dense_t, experts_t = stage_parameters(counts, Layout.of(tp=tp))
+    one, sharded = Layout.of(tp=1), Layout.of(tp=tp)
+    dense_1, experts_1 = stage_parameters(counts, one, stage_layers(model, one))
+    dense_t, experts_t = stage_parameters(counts, sharded, stage_layers(model, sharded))
     replicated = counts.layers * counts.layer_norms + counts.final_norm + counts.moe_layers * counts.router
     assert np.isclose(dense_1 + experts_1, counts.total() - counts.extra)
     assert np.isclose(tp * (dense_t + experts_t) - (tp - 1) * replicated, dense_1 + experts_1)
@@ -94,3 +100,48 @@ def test_planner_ranks_only_feasible_layouts_and_they_fit(name, chip, gpus, glob
     assert np.all(layouts.tp <= hardware.scale_up_domain) and np.all(model.heads % layouts.tp == 0)
     assert np.all(np.diff(result.tokens_per_s[result.ranked]) <= 0)
     assert np.allclose(prediction.tokens_per_s, result.tokens_per_s[result.ranked])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([1.0, 1.5, 2.0, 3.0]), min_size=1, max_size=9), st.integers(1, 9),
+       st.sampled_from([0.0, 0.5, 2.7, 8.0]))
+def test_balanced_split_has_the_cheapest_costliest_stage(costs, stages, tail):
+    """No contiguous split (one layer or more a stage) has a cheaper costliest stage, and among those none is more
+    even (sum of squared stage costs)."""
+    stages = min(stages, len(costs))
+    layers = len(costs)
+    score = lambda bounds: (max(sum(costs[i:j]) + (tail if j == layers else 0.0) for i, j in bounds),  # noqa: E731
+                            sum((sum(costs[i:j]) + (tail if j == layers else 0.0)) ** 2 for i, j in bounds))
+    bounds = balanced_split(costs, stages, tail)
+    assert [i for i, _ in bounds][0] == 0 and bounds[-1][1] == layers
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(bounds, bounds[1:]))
+    splits = [list(zip((0, *ends), (*ends, layers))) for ends in itertools.combinations(range(1, layers), stages - 1)]
+    best = min(score(split) for split in splits)
+    assert score(bounds)[0] == best[0] and score(bounds)[1] == pytest.approx(best[1])
+
+
+def test_stage_layers_follow_the_output_layer():
+    """SmolLM2-135M's output layer costs ~8 of its 30 layers: pp = 2 holds 19 + 11 layers (the last, with the
+    logits, the slowest on a tie), and the step is faster than if the last stage held 15 layers and the logits;
+    DeepSeek-V3 (3 dense layers, then 58 MoE) at pp = 4: the last rank holds fewer, a middle one is the slowest."""
+    smol = catalog.model("SmolLM2-135M")
+    layouts = Layout.of(pp=[1, 2, 5], global_batch=8, micro_batch=1, seq=512)
+    stages = stage_layers(smol, layouts)
+    assert stages.first.tolist() == [30, 19, 7] and stages.last.tolist() == [30, 11, 1]
+    assert stages.busiest_other.tolist() == [0, 19, 8]
+    deepseek = catalog.model("DeepSeek-V3")
+    split4 = stage_layers(deepseek, Layout.of(pp=4, global_batch=64, micro_batch=1, seq=512))
+    assert (float(split4.first), float(split4.first_moe), float(split4.last)) == (16, 13, 14)
+    assert float(split4.busiest_other) == 16 and float(split4.busiest_other_moe) == 16
+    interleaved = stage_layers(smol, Layout.of(pp=2, schedule=2, interleave=3, global_batch=8, micro_batch=1, seq=512))
+    assert float(interleaved.first) + float(interleaved.last) == 30 and float(interleaved.first) > 15
+    hardware = Hardware.of(*catalog.hardware("dgx-h100"))
+    pp2 = Layout.of(pp=2, global_batch=8, micro_batch=1, seq=512)
+    balanced = predict_training(smol, hardware, pp2)
+    even = predict_training(smol.model_copy(update={"layers": 15}), hardware, Layout.of(pp=1, global_batch=8,
+                                                                                         micro_batch=1, seq=512))
+    assert balanced.time_s["compute"] < even.time_s["compute"]
+    first = predict_training(smol, hardware, pp2, stage="first")
+    assert first.wire_bytes["pipeline_p2p"] == balanced.wire_bytes["pipeline_p2p"]
+    with pytest.raises(InvalidValue, match="stage"):
+        predict_training(smol, hardware, pp2, stage="last")

@@ -207,6 +207,8 @@ def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny, 
             bubble = report["predicted_vs_measured"]["bubble"]
             assert bubble["predicted"] == pytest.approx(1 / 5) and 0 < bubble["measured"] < 1
             assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 5000
+            layers = report["predicted_vs_measured"]["stage_layers"]  # predict splits as the pipeline does
+            assert layers["measured"] == layers["predicted"], layers
         if "--cp" in args:  # K/V around the ring and the weights' gradients summed over the CP group
             assert wire["context_parallel"]["measured"] == pytest.approx(wire["context_parallel"]["predicted"])
         activations = report["predicted_vs_measured"]["memory_bytes"]["activations"]  # Korthikanti's formula; our
@@ -221,6 +223,8 @@ def test_sequence_parallel_through_the_pipeline(tiny, single_process_losses):
     layout = ("--nproc", "4", "--tp", "2", "--pp", "2", "--dp", "1", "--microbatches", "2", "--steps", "3")
     report = _train_json(tiny, *layout, "--sequence-parallel")
     assert report["result"]["losses"] == pytest.approx(single_process_losses, rel=1e-5)
+    layers = report["predicted_vs_measured"]["stage_layers"]
+    assert layers["measured"] == layers["predicted"], layers
     for name in ("tensor_parallel", "pipeline_p2p"):
         pair = report["predicted_vs_measured"]["wire_bytes_per_step"][name]
         assert pair["measured"] == pytest.approx(pair["predicted"]), (name, pair)

@@ -91,6 +91,9 @@ def training_report(result: TrainingPrediction, i: int) -> dict:
         "memory_per_gpu_bytes": result.memory.breakdown(i),
         "time_breakdown_s": {k: when(pick(v)) for k, v in result.time_s.items()},
         "wire_bytes_per_gpu": {k: pick(v) for k, v in result.wire_bytes.items()},
+        "stage_layers": {"first": pick(result.stages.first), "last": pick(result.stages.last),
+                         "busiest_other": pick(result.stages.busiest_other),
+                         "slowest_is_last": bool(result.slowest_is_last.reshape(-1)[i])},
     }
 
 
@@ -109,9 +112,16 @@ def _print_training(report: dict, spec) -> None:
                                      ("HFU", f"{report['hfu']:.1%}"), ("model TFLOP/s per GPU", f"{report['tflops_per_gpu']:.0f}"),
                                      ("tokens/s", human(report["tokens_per_s"], "")),
                                      ("pipeline bubble", f"{report['bubble_fraction']:.1%}")]
+                            + ([("decoder layers per rank (cost-balanced)", _stage_split(report["stage_layers"]))]
+                               if lay["pp"] > 1 else [])
                             + ([("time to train", seconds(report["time_to_train_s"]))] if "time_to_train_s" in report else [])))
         console.print(table("where a step goes", [(k, seconds(v), f"{v / report['step_s']:.1%}")
                                                   for k, v in report["time_breakdown_s"].items() if v > 0]))
+
+
+def _stage_split(stages: dict) -> str:
+    slowest = "the last" if stages["slowest_is_last"] else f"one of {stages['busiest_other']:g} layers"
+    return f"first {stages['first']:g}, last {stages['last']:g} with the output layer; slowest: {slowest}"
 
 
 def predict_serve(

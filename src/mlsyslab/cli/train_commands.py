@@ -133,8 +133,11 @@ def _print(config, result, comparison) -> None:
     if comparison.get("bubble", {}).get("predicted") is not None:
         bubble = comparison["bubble"]
         share = lambda v: "—" if v is None else f"{v:.1%}"  # noqa: E731
-        console.print(table("pipeline bubble", [("analytic vs executed timeline", share(bubble["predicted"]),
-                                                 share(bubble["measured"]), ratio(bubble["ratio"]))],
+        layers = comparison["stage_layers"]
+        console.print(table("pipeline", [("bubble: analytic vs executed timeline", share(bubble["predicted"]),
+                                          share(bubble["measured"]), ratio(bubble["ratio"])),
+                                         ("decoder layers on rank 0 (cost-balanced split)", f"{layers['predicted']:g}",
+                                          str(layers["measured"]), ratio(layers["ratio"]))],
                             ("", "predicted", "measured", "measured / predicted")))
         if config.timeline:
             console.print(f"the last step's executed timeline: {config.timeline}")

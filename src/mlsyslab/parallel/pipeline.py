@@ -43,6 +43,7 @@ from mlsyslab.nn.llama import Llama, causal_attention, rope_cos_sin, rope_invers
 from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, MixtureOfExperts, balancing_losses
 from mlsyslab.parallel.schedules import Schedule, Timeline
 from mlsyslab.parallel.weight_stash import WeightStash
+from mlsyslab.predict.pipeline import balanced_split
 
 
 class StageChunk(nn.Module):
@@ -70,32 +71,16 @@ class StageChunk(nn.Module):
 
 
 def split(model: Llama, stages: int) -> list[tuple[int, int]]:
-    """[first, last) layers of each of `stages` virtual stages, at least one each: of the contiguous splits, the one
-    whose costliest stage costs least, and among those the one whose stage costs have the least sum of squares (the
-    most even), by dynamic programming over the layers (a linear partition). A stage costs its layers' and, on the
-    last, the output layer's forward FLOPs per token (`forward_flops_per_token`; the embedding is a lookup). The
-    output layer is a large share of a small model (SmolLM2-135M's costs ~8 of its 30 layers), so an even split of
-    the layers would leave the last stage the pipeline's bottleneck. Every rank computes the same split."""
+    """[first, last) layers of each of `stages` virtual stages, at least one each, balanced by predicted cost
+    (`predict.pipeline.balanced_split`: the costliest stage as cheap as it can be, then the most even). A stage costs
+    its layers' and, on the last, the output layer's forward FLOPs per token (`forward_flops_per_token`; the embedding
+    is a lookup). The output layer is a large share of a small model (SmolLM2-135M's costs ~8 of its 30 layers), so an
+    even split of the layers would leave the last stage the pipeline's bottleneck. Every rank computes the same split."""
     layers = model.config.layers
     if stages > layers:
         raise InvalidValue("pipeline stages", stages, f"at most the {layers} layers (one or more each)")
-    prefix = [0.0]
-    for layer in model.layers:
-        prefix.append(prefix[-1] + forward_flops_per_token(layer))
-    head = forward_flops_per_token(model.lm_head)
-    cost = lambda i, j: prefix[j] - prefix[i] + (head if j == layers else 0.0)  # noqa: E731 - layers [i, j)
-    # best[k][j]: ((costliest stage, sum of squares), start of the last stage) for layers [0, j) in k stages
-    best = [{0: ((0.0, 0.0), 0)}] + [{} for _ in range(stages)]
-    for k in range(1, stages + 1):
-        for j in range(k, layers - (stages - k) + 1):
-            best[k][j] = min(((max(best[k - 1][i][0][0], cost(i, j)), best[k - 1][i][0][1] + cost(i, j) ** 2), i)
-                             for i in range(k - 1, j) if i in best[k - 1])
-    bounds, j = [], layers
-    for k in range(stages, 0, -1):
-        i = best[k][j][1]
-        bounds.append((i, j))
-        j = i
-    return bounds[::-1]
+    return balanced_split([forward_flops_per_token(layer) for layer in model.layers], stages,
+                          forward_flops_per_token(model.lm_head))
 
 
 def forward_flops_per_token(module: nn.Module) -> float:

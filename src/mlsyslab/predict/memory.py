@@ -7,14 +7,16 @@ gradients, ZeRO-3 also weights: 16Ψ → 4Ψ+12Ψ/N → 2Ψ+14Ψ/N → 16Ψ/N. P
 master (K = 4); fp32 training keeps no master copy (Adam K = 8, SGD K = 0).
 ZeRO-Offload moves the optimizer to the host: an fp32 master (even for fp32 training, since the
 device keeps its own weights) plus the fp32 state, 12Ψ/N for Adam.
-Ψ is what one rank holds after tensor, pipeline and expert sharding (the worst pipeline stage).
+Ψ is what one rank holds after tensor, pipeline and expert sharding (the heavier of the first and last pipeline
+stages, for the layers each holds under the cost-balanced split of predict/pipeline.py).
 
 Activations per layer and microbatch (Korthikanti et al. 2022, arXiv 2205.05198, fp16):
 s·b·h·(34 + 5·a·s/h) without parallelism; tensor parallel t divides all but 10·s·b·h, sequence
 parallelism divides those too; selective recompute drops the 5·a·s²·b attention-score term; full
 recompute keeps only each layer's 2·s·b·h input. Generalised here to GQA widths, gated MLPs and
 MoE (top-k routed copies of each token). Pipeline stages hold the microbatches in flight:
-GPipe m, 1F1B and PipeDream min(m, p), interleaved min(m, p)·(1 + (p−1)/(p·v)) on the first stage.
+GPipe m, 1F1B and PipeDream min(m, p), interleaved min(m, p)·(1 + (p−1)/(p·v)) on the first stage, counted for
+the layers the first stage holds.
 PipeDream's weight stashing (Narayanan et al., SOSP'19 §3.3; parallel/weight_stash.py) also keeps a copy of
 the stage's weights per version still owed a backward: stage r up to min(m, p − r) of them, the first stage
 min(m, p) (counted on the heaviest stage: exact where that is the first).
@@ -28,6 +30,7 @@ import numpy as np
 from mlsyslab.predict.architecture import ParameterBreakdown, parameters
 from mlsyslab.predict.assumptions import DEFAULT, Assumptions
 from mlsyslab.predict.layout import Layout
+from mlsyslab.predict.pipeline import StageLayers, stage_layers
 from mlsyslab.specs.schema import DTYPE_BYTES, Model
 
 
@@ -84,30 +87,26 @@ def offloaded_optimizer_bytes(params, data_parallel, zero_stage, optimizer: str 
     return (4.0 + state) * params / shard
 
 
-def stage_parameters(breakdown: ParameterBreakdown, layout: Layout):
-    """(non-expert, expert) parameters one rank of the heaviest pipeline stage holds.
+def stage_parameters(breakdown: ParameterBreakdown, layout: Layout, stages: StageLayers, rank: str = "heaviest"):
+    """(non-expert, expert) parameters one rank of a pipeline stage holds: the "first", the "last" or the "heaviest"
+    of the two, for the layers each holds under the balanced split (`stages`).
 
     Matmul weights split over TP; routed experts over EP·TP; norms and the router replicate.
     The first stage holds the embedding, the last the output layer (a second copy when tied and pp > 1).
-    Assumes pp divides the layers (the planner enforces it).
     """
     tp, pp, ep = (np.asarray(x, dtype=float) for x in (layout.tp, layout.pp, layout.ep))
-    per_stage = breakdown.layers / pp
     attention = breakdown.attention / tp + breakdown.layer_norms
     dense_layer = attention + breakdown.dense_mlp / tp
     moe_layer = attention + breakdown.shared_experts / tp + breakdown.router
     expert_layer = breakdown.routed_experts / (ep * tp)
-    dense_first = np.minimum(breakdown.dense_layers, per_stage)
-    dense_last = np.clip(breakdown.dense_layers - (pp - 1) * per_stage, 0, None)
     output = (breakdown.unembedding or breakdown.output_projection) / tp + breakdown.final_norm
-    first = breakdown.embedding / tp + dense_first * dense_layer + (per_stage - dense_first) * moe_layer
-    last = dense_last * dense_layer + (per_stage - dense_last) * moe_layer + output
+    first = breakdown.embedding / tp + (stages.first - stages.first_moe) * dense_layer + stages.first_moe * moe_layer
+    last = (stages.last - stages.last_moe) * dense_layer + stages.last_moe * moe_layer + output
     single = first + output - np.where(breakdown.unembedding, 0.0, breakdown.output_projection / tp)
-    experts_first = (per_stage - dense_first) * expert_layer
-    experts_last = (per_stage - dense_last) * expert_layer
-    first_heavier = first + experts_first >= last + experts_last
-    dense = np.where(pp == 1, single, np.where(first_heavier, first, last))
-    experts = np.where(pp == 1, experts_first, np.where(first_heavier, experts_first, experts_last))
+    experts_first, experts_last = stages.first_moe * expert_layer, stages.last_moe * expert_layer
+    take_first = {"first": True, "last": False, "heaviest": first + experts_first >= last + experts_last}[rank]
+    dense = np.where(pp == 1, single, np.where(take_first, first, last))
+    experts = np.where(pp == 1, experts_first, np.where(take_first, experts_first, experts_last))
     return dense, experts
 
 
@@ -141,10 +140,13 @@ def activation_bytes_per_layer(model: Model, layout: Layout, moe_layer: bool = F
 
 
 def training_memory(model: Model, layout: Layout, hbm_bytes: float, optimizer: str = "adam",
-                    dtype: str = "bf16", assumptions: Assumptions = DEFAULT) -> TrainingMemory:
-    """Bytes per accelerator of the heaviest pipeline stage's rank, by category."""
+                    dtype: str = "bf16", assumptions: Assumptions = DEFAULT,
+                    stages: StageLayers | None = None) -> TrainingMemory:
+    """Bytes per accelerator of the heaviest pipeline stage's rank, by category (`stages`: the layout's split, if
+    already computed)."""
     breakdown = parameters(model)
-    dense, experts = stage_parameters(breakdown, layout)
+    stages = stage_layers(model, layout) if stages is None else stages
+    dense, experts = stage_parameters(breakdown, layout, stages)
     dp = layout.dp.astype(float) * layout.cp  # ZeRO shards over DP × CP: those ranks hold the same weights
     expert_dp = dp / layout.ep
     w1, g1, o1 = model_state_bytes(dense, dp, layout.zero, optimizer, dtype, layout.offload)
@@ -156,28 +158,27 @@ def training_memory(model: Model, layout: Layout, hbm_bytes: float, optimizer: s
     offloaded = offloaded + offloaded_optimizer_bytes(experts, expert_dp, layout.zero, optimizer)
     host = np.where(layout.offload, offloaded, 0.0)
 
-    stored, working_layer = _activations(model, layout, assumptions)
-    layers_per_stage = model.layers / layout.pp
-    inflight = _microbatches_in_flight(layout)
-    activations = stored * layers_per_stage * inflight
+    dense_stored, moe_stored, working_layer = _activations(model, layout, assumptions)
+    activations = ((stages.first - stages.first_moe) * dense_stored + stages.first_moe * moe_stored) \
+        * _microbatches_in_flight(layout)
     # Buffers: one layer's full activations live during its recompute + backward, fp32 logits for
     # the loss on the last stage, ZeRO-3's two gathered layers (current + prefetch).
     logits = 4.0 * layout.seq / layout.cp * layout.micro_batch * model.vocab / layout.tp
-    gathered = np.where(layout.zero >= 3, 2 * DTYPE_BYTES[dtype] * (dense + experts) / layers_per_stage, 0.0)
+    held = np.maximum(np.where(layout.pp == 1, model.layers, np.maximum(stages.first, stages.last)), 1)
+    gathered = np.where(layout.zero >= 3, 2 * DTYPE_BYTES[dtype] * (dense + experts) / held, 0.0)
     buffers = np.where(layout.recompute == 2, working_layer, 0.0) + logits + gathered
     capacity = hbm_bytes * assumptions.memory_usable_fraction - assumptions.memory_reserved_bytes
     return TrainingMemory(weights, gradients, optimizer_bytes, activations, buffers, host, capacity)
 
 
 def _activations(model: Model, layout: Layout, assumptions: Assumptions):
-    """Average stored bytes per layer per microbatch, and the largest one-layer working set."""
+    """Stored bytes per dense and per MoE layer and microbatch, and the largest one-layer working set."""
     flash = assumptions.flash_attention
     dense_stored, dense_full = activation_bytes_per_layer(model, layout, False, flash)
     if model.moe is None:
-        return dense_stored, dense_full
+        return dense_stored, dense_stored, dense_full
     moe_stored, moe_full = activation_bytes_per_layer(model, layout, True, flash)
-    share = model.moe.dense_layers / model.layers
-    return share * dense_stored + (1 - share) * moe_stored, np.maximum(dense_full, moe_full)
+    return dense_stored, moe_stored, np.maximum(dense_full, moe_full)
 
 
 def _microbatches_in_flight(layout: Layout):

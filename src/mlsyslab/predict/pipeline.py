@@ -4,10 +4,19 @@ With p stages and m microbatches a fill-drain schedule (GPipe or 1F1B) runs m + 
 one microbatch's forward + backward, so the idle fraction of the step is (p − 1)/(m + p − 1);
 1F1B does not shrink it, it bounds the microbatches in flight at p. Interleaving v virtual stages
 per rank shrinks the fill and drain v-fold: (p − 1)/v slots, fraction ((p−1)/v)/(m + (p−1)/v).
+Stages are balanced by cost (`balanced_split`, the one split parallel/pipeline.py runs): with a large output
+layer the last stage gets fewer layers, and the stage that bounds the step may be another.
 Twin of: parallel/schedules.py (the executed timeline's measured bubble is held against this).
 """
 
+from dataclasses import dataclass
+from functools import lru_cache
+
 import numpy as np
+
+from mlsyslab.predict.architecture import parameters
+from mlsyslab.predict.layout import Layout
+from mlsyslab.specs.schema import Model
 
 
 def pipeline_slots(stages, microbatches, interleave=1):
@@ -20,3 +29,87 @@ def pipeline_bubble_fraction(stages, microbatches, interleave=1):
     """Idle fraction of a pipelined step: (p−1)/(m+p−1), or ((p−1)/v)/(m+(p−1)/v) interleaved."""
     p, v = np.asarray(stages, dtype=float), np.asarray(interleave, dtype=float)
     return ((p - 1) / v) / pipeline_slots(stages, microbatches, interleave)
+
+
+def balanced_split(costs, stages: int, tail: float = 0.0) -> list[tuple[int, int]]:
+    """[first, last) layers of each of `stages` contiguous stages, at least one each, for layers costing `costs` and a
+    last stage that also pays `tail` (the output layer): of the splits, the one whose costliest stage costs least, and
+    among those the one whose stage costs have the least sum of squares (the most even), then the earliest boundaries
+    — a linear partition by dynamic programming, one numpy pass over (start, end) pairs per stage."""
+    return list(_balanced_split(tuple(float(c) for c in costs), int(stages), float(tail)))
+
+
+@lru_cache(maxsize=256)
+def _balanced_split(costs: tuple, stages: int, tail: float) -> tuple:
+    layers = len(costs)
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+    cost = prefix[None, :] - prefix[:, None] + np.where(np.arange(layers + 1) == layers, tail, 0.0)[None, :]  # [i, j)
+    costliest, squares = np.full(layers + 1, np.inf), np.full(layers + 1, np.inf)
+    costliest[0] = squares[0] = 0.0
+    starts = []  # per stage k: the start of its last stage for layers [0, j)
+    for k in range(1, stages + 1):
+        valid = (np.arange(layers + 1)[:, None] < np.arange(layers + 1)[None, :]) & np.isfinite(costliest)[:, None]
+        worst = np.where(valid, np.maximum(costliest[:, None], cost), np.inf)
+        even = np.where(valid & (worst == worst.min(axis=0)), squares[:, None] + cost ** 2, np.inf)
+        start = even.argmin(axis=0)
+        columns = np.arange(layers + 1)
+        reachable = (columns >= k) & (columns <= layers - (stages - k))
+        costliest = np.where(reachable, worst[start, columns], np.inf)
+        squares = np.where(reachable, even[start, columns], np.inf)
+        starts.append(start)
+    bounds, j = [], layers
+    for k in range(stages, 0, -1):
+        i = int(starts[k - 1][j])
+        bounds.append((i, j))
+        j = i
+    return tuple(bounds[::-1])
+
+
+@dataclass(frozen=True)
+class StageLayers:
+    """Decoder layers one pipeline rank holds under the balanced split, arrays over layouts (`*_moe`: of them, those
+    with experts): the first rank (the embedding, and the most microbatches in flight), the last (the output layer),
+    and the busiest of the others (the most forward FLOPs; none when pp = 1). The slowest rank is the last or that one:
+    predict.training times both."""
+
+    first: np.ndarray
+    first_moe: np.ndarray
+    last: np.ndarray
+    last_moe: np.ndarray
+    busiest_other: np.ndarray
+    busiest_other_moe: np.ndarray
+
+
+def stage_layers(model: Model, layout: Layout) -> StageLayers:
+    """Each layout's split of `model`'s layers into pp × v virtual stages (`balanced_split` on forward FLOPs per token:
+    a dense layer's matmul weights, an MoE layer's attention, shared experts, router and top-k routed experts, and the
+    output layer on the last), virtual stage i on rank i mod pp (parallel/pipeline.py). Where pp × v exceeds the layers
+    (an infeasible layout) the layers are shared evenly, fractions and all."""
+    b = parameters(model)
+    dense = 2.0 * (b.attention + b.dense_mlp)
+    moe = 2.0 * (b.attention + b.shared_experts + b.router + b.experts_per_token * b.routed_expert)
+    costs = [dense] * b.dense_layers + [moe] * b.moe_layers
+    head = 2.0 * b.output_projection
+    pp = np.asarray(layout.pp, dtype=np.int64)
+    chunks = np.broadcast_to(np.where(np.asarray(layout.schedule) == 2, np.asarray(layout.interleave), 1), pp.shape)
+    pairs, which = np.unique(pp * (1 << 32) + chunks, return_inverse=True)  # each (pp, v) split once
+    rows = [_rank_layers(tuple(costs), b.dense_layers, head, int(pair >> 32), int(pair & 0xFFFFFFFF)) for pair in pairs]
+    return StageLayers(**{name: np.array([row[name] for row in rows], dtype=float)[which].reshape(pp.shape)
+                          for name in StageLayers.__dataclass_fields__})
+
+
+def _rank_layers(costs: tuple, dense_layers: int, head: float, p: int, v: int) -> dict:
+    layers = len(costs)
+    if p * v > layers:
+        share, moe_share = layers / p, (layers - dense_layers) / p
+        return dict(first=share, first_moe=moe_share, last=share, last_moe=moe_share,
+                    busiest_other=share if p > 1 else 0.0, busiest_other_moe=moe_share if p > 1 else 0.0)
+    held, moe_held, flops = np.zeros(p), np.zeros(p), np.zeros(p)
+    for stage, (i, j) in enumerate(balanced_split(costs, p * v, head)):
+        held[stage % p] += j - i
+        moe_held[stage % p] += max(0, j - max(i, dense_layers))
+        flops[stage % p] += sum(costs[i:j])
+    busiest = int(np.argmax(flops[:-1])) if p > 1 else None
+    return dict(first=held[0], first_moe=moe_held[0], last=held[-1], last_moe=moe_held[-1],
+                busiest_other=0.0 if busiest is None else held[busiest],
+                busiest_other_moe=0.0 if busiest is None else moe_held[busiest])

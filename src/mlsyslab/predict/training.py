@@ -1,6 +1,7 @@
 """Training step time of a layout DP(ZeRO) × TP × PP × CP × EP, and what bounds it.
 
-Per microbatch, each rank of the slowest (last) pipeline stage spends:
+Per microbatch, each rank of the slowest pipeline stage spends (the stages split by cost as our pipeline splits them,
+predict/pipeline.py: with a large output layer the last holds fewer layers, and another stage may be the slowest):
   compute     matmul FLOP / (peak · η(h/t)), η(w) = η_max · w/(w + w_half), plus memory-bound
               kernels (norms, activations, residuals; unfused attention scores) at HBM speed;
   TP          2 all-reduces forward, 2 backward (+2 when the forward is recomputed) of s·b·h
@@ -31,7 +32,7 @@ from mlsyslab.predict.assumptions import DEFAULT, Assumptions
 from mlsyslab.predict.hardware import Hardware
 from mlsyslab.predict.layout import Layout
 from mlsyslab.predict.memory import TrainingMemory, stage_parameters, training_memory
-from mlsyslab.predict.pipeline import pipeline_bubble_fraction, pipeline_slots
+from mlsyslab.predict.pipeline import StageLayers, pipeline_bubble_fraction, pipeline_slots, stage_layers
 from mlsyslab.specs.schema import DTYPE_BYTES, Model
 
 TIME_PARTS = ("compute", "tensor_parallel", "expert_parallel", "context_parallel", "pipeline_p2p",
@@ -51,6 +52,8 @@ class TrainingPrediction:
     memory: TrainingMemory
     feasible: np.ndarray
     reason_code: np.ndarray  # index into REASONS: 0 where feasible, else the first rule broken
+    stages: StageLayers  # the decoder layers the pipeline's first, last and busiest other ranks hold
+    slowest_is_last: np.ndarray  # whether the rank timed is the last (else the busiest other)
 
     def reason(self, i: int = 0) -> str:
         return REASONS[int(self.reason_code.reshape(-1)[i])]
@@ -63,7 +66,12 @@ def matmul_efficiency(width, assumptions: Assumptions = DEFAULT):
 
 
 def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer: str = "adam",
-                     assumptions: Assumptions = DEFAULT) -> TrainingPrediction:
+                     assumptions: Assumptions = DEFAULT, stage: str = "slowest") -> TrainingPrediction:
+    """The step of `layout`, timed on the pipeline's slowest rank: the last (it also computes the logits) or the
+    busiest of the others, both timed. Its per-step bytes (wire_bytes) are that rank's, or with stage="first" those of a
+    rank of the first stage (what rank 0 of a run logs: verify/)."""
+    if stage not in ("slowest", "first"):
+        raise InvalidValue("stage", stage, "slowest or first")
     a, hw = assumptions, hardware
     width = DTYPE_BYTES[hw.dtype]
     breakdown = parameters(model)
@@ -71,16 +79,26 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     v = np.where(layout.schedule == 2, layout.interleave, 1).astype(float)
     m = layout.microbatches
     tokens = layout.micro_batch * layout.seq / c  # tokens per microbatch on one rank
-    layers = model.layers / p
+    stages = stage_layers(model, layout)  # the cost-balanced split our pipeline runs
+    first = stage == "first"
+    # The ranks timed, along a leading axis: the decoder layers each holds, of them with experts, and whether it
+    # computes the logits. Every per-rank term below is linear in these.
+    if first:
+        layers, moe_layers, head = stages.first[None], stages.first_moe[None], np.where(p == 1, 1.0, 0.0)[None]
+    else:
+        layers = np.stack([stages.last, stages.busiest_other])
+        moe_layers = np.stack([stages.last_moe, stages.busiest_other_moe])
+        head = np.stack([np.ones_like(p), np.zeros_like(p)])
     full = layout.recompute == 2
     selective = layout.recompute == 1
-    moe_share = 0.0 if model.moe is None else 1 - model.moe.dense_layers / model.layers
 
-    # Compute per microbatch on the last stage (which also computes the logits).
-    active_layer = (breakdown.matmul_active() - breakdown.output_projection) / model.layers
+    # Compute per microbatch on that rank.
+    dense_active = breakdown.attention + breakdown.dense_mlp  # the matmul weights a token meets in each kind of layer
+    moe_active = breakdown.attention + breakdown.shared_experts + breakdown.router \
+        + breakdown.experts_per_token * breakdown.routed_expert
     d_qk, d_v = attention_dims(model)
-    layer_matmul_fwd = 2 * tokens * layers * active_layer / t
-    logits_fwd = 2 * tokens * breakdown.output_projection / t
+    layer_matmul_fwd = 2 * tokens * ((layers - moe_layers) * dense_active + moe_layers * moe_active) / t
+    logits_fwd = 2 * tokens * breakdown.output_projection / t * head
     attention_fwd = 2 * tokens * layout.seq * (d_qk + d_v) * layers / t
     passes = 3 + full  # forward, backward (2x); full recompute repeats the layers' forward (not the logits)
     hardware_flops = passes * layer_matmul_fwd + 3 * logits_fwd + (passes + selective) * attention_fwd
@@ -92,7 +110,7 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     elementwise = a.elementwise_bytes_per_token_per_hidden * model.hidden / sp_shard * tokens * layers * passes
     scores = 0.0 if a.flash_attention else 2 * 5 * model.heads * layout.seq * tokens / t * layers * (passes + selective)
     # The loss: fp32 logits written, softmax read and written, and their gradient, on the last stage.
-    loss_bytes = a.loss_bytes_per_logit * tokens * model.vocab / t
+    loss_bytes = a.loss_bytes_per_logit * tokens * model.vocab / t * head
     memory_bw = hw.hbm_bw * a.memory_bandwidth_efficiency
     launches = a.kernel_overhead_s * a.kernels_per_layer * layers * passes
     compute = hardware_flops / peak + logits_beyond + (elementwise + scores + loss_bytes) / memory_bw + launches
@@ -112,23 +130,23 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     # to keep only its shard (Korthikanti et al. §4.2.2): an all-gather, half an all-reduce's bytes, per entry. Sent,
     # but not timed: Megatron overlaps it with the input gradient's GEMM (ours does not: there the twin's SP step is
     # short by these gathers).
-    sp_regathers = np.where(layout.sequence_parallel, 0.5 + 0.5 * (1 - moe_share), 0.0) * layers
+    sp_regathers = np.where(layout.sequence_parallel, layers - 0.5 * moe_layers, 0.0)
     tp_bytes = (tp_count + sp_regathers) * coll.ring_all_reduce_bytes_per_rank(act_bytes, t)
     # An MoE layer under TP also sums its routing weights' gradient (fp32, one per routed copy) in backward
     # (parallel.tensor.TensorParallelExperts); copies dropped over capacity send nothing.
     top_k = 0 if model.moe is None else model.moe.experts_per_token
     routing_weight_bytes = tokens * top_k * 4
-    tp_time = tp_time + layers * moe_share * coll.hierarchical_all_reduce_s(routing_weight_bytes, t, tp_local, **shared_link)
-    tp_bytes = tp_bytes + layers * moe_share * coll.ring_all_reduce_bytes_per_rank(routing_weight_bytes, t)
+    tp_time = tp_time + moe_layers * coll.hierarchical_all_reduce_s(routing_weight_bytes, t, tp_local, **shared_link)
+    tp_bytes = tp_bytes + moe_layers * coll.ring_all_reduce_bytes_per_rank(routing_weight_bytes, t)
 
     # Expert parallel: dispatch + combine of top-k token copies, per MoE layer, fwd and bwd.
     a2a_bytes = tokens * top_k * model.hidden * width
     ep_local = np.clip(hw.scale_up_domain / (t * c), 1, None)
-    ep_count = (4 + 2 * full) * layers * moe_share
+    ep_count = (4 + 2 * full) * moe_layers
     ep_time = ep_count * coll.hierarchical_shard_s(a2a_bytes, e, np.minimum(e, ep_local), **link)
     ep_bytes = ep_count * coll.ring_shard_bytes_per_rank(a2a_bytes, e)
     # and each forward's routing metadata (int64): a copy count per rank, an expert id per routed copy
-    routing_count = (1 + full) * layers * moe_share
+    routing_count = (1 + full) * moe_layers
     ep_time = ep_time + routing_count * sum(coll.hierarchical_shard_s(size, e, np.minimum(e, ep_local), **link)
                                             for size in (tokens * top_k * 8, e * 8))
     ep_bytes = ep_bytes + routing_count * sum(coll.ring_shard_bytes_per_rank(size, e)
@@ -156,6 +174,11 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     p2p_time = p2p_time * (1 - a.pipeline_p2p_overlap)
 
     slot = compute + tp_time * (1 - a.tensor_parallel_overlap) + ep_time * (1 - a.expert_all_to_all_overlap) + cp_time + p2p_time
+    other = slot[-1] > slot[0]  # the busiest other rank is the slower (a tie goes to the last; one row: itself)
+    timed = lambda x: np.where(other, *np.broadcast_to(x, slot.shape)[[-1, 0]])  # noqa: E731
+    slowest_is_last = np.logical_and(not first, ~other)
+    slot, compute, tp_time, ep_time, cp_time, p2p_time, tp_bytes, ep_bytes, cp_bytes, layers = (
+        timed(x) for x in (slot, compute, tp_time, ep_time, cp_time, p2p_time, tp_bytes, ep_bytes, cp_bytes, layers))
     slots = pipeline_slots(p, m, v)
     bubble = (slots - m) * slot
 
@@ -164,7 +187,7 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     # (m+1)/2; ZeRO-3 gathers the weights forward and backward and reduce-scatters every microbatch, 3m/2.
     # ZeRO reduces over DP × CP (those ranks hold the same weights; Megatron's distributed optimizer),
     # plain DP over DP after the CP sum (counted with CP: verify.training).
-    dense_params, expert_params = stage_parameters(breakdown, layout)
+    dense_params, expert_params = stage_parameters(breakdown, layout, stages, "first" if first else "heaviest")
     volume = np.select([layout.zero == 3, layout.zero == 2], [1.5 * m, (m + 1) / 2], 1.0) * a.gradient_reduce_bytes
     group = np.where(layout.zero > 0, d * c, d)
     dp_local = np.clip(hw.scale_up_domain / (t * group / d), 1, None)  # the group's ranks inside one node
@@ -201,7 +224,7 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     logits_forward = layout.global_batch * layout.seq * 2 * breakdown.output_projection
     recomputed = np.where(full, forward - logits_forward, np.where(selective, attention_forward, 0.0))
     hfu = (model_flops + recomputed) / (step * gpus * hw.peak_flops)
-    memory = training_memory(model, layout, hw.hbm_bytes, optimizer, hw.dtype, a)
+    memory = training_memory(model, layout, hw.hbm_bytes, optimizer, hw.dtype, a, stages)
     feasible, reason_code = _feasibility(model, layout, memory)
     time_s = {
         "compute": m * compute, "tensor_parallel": m * tp_time * (1 - a.tensor_parallel_overlap),
@@ -214,7 +237,8 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     return TrainingPrediction(
         step_s=step, mfu=mfu, hfu=hfu, tflops_per_gpu=model_flops / (step * gpus) / 1e12,
         tokens_per_s=layout.global_batch * layout.seq / step, bubble_fraction=pipeline_bubble_fraction(p, m, v),
-        time_s=time_s, wire_bytes=wire, memory=memory, feasible=feasible, reason_code=reason_code,
+        time_s=time_s, wire_bytes=wire, memory=memory, feasible=feasible, reason_code=reason_code, stages=stages,
+        slowest_is_last=slowest_is_last,
     )
 
 

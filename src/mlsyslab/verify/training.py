@@ -84,13 +84,12 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
     step on rank 0, the pipeline bubble (analytic vs executed timeline), and the step time when
     `hardware` is given. Bytes and bubble do not depend on the hardware: without one they are taken
     from a prediction at the run's dtype on a catalog system (DGX-H100), whose times are not shown.
-    Rank 0's bytes are predicted for the stage it holds: `parallel.pipeline.split` balances stages by cost, so
-    under PP rank 0 may hold more than layers / pp (predict's stage), and its bytes and activations are those of a
-    model of pp × its layers; the step time is predicted for the model as it is."""
+    Rank 0's bytes are predicted for the first stage's rank (predict.training's stage="first"), its activations by
+    predict.memory (the first stage's), and the step time on the slowest rank: all for the layers each stage holds
+    under the cost-balanced split, which predict computes as `parallel.pipeline.split` does."""
     from mlsyslab.specs import catalog
 
-    whole = Model(**config.model)
-    spec = whole.model_copy(update={"layers": result["stage_layers"] * config.pp}) if config.pp > 1 else whole
+    spec = Model(**config.model)
     layout = Layout.of(dp=config.data_parallel, tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep,
                        zero=config.zero_stage,
                        micro_batch=config.micro_batch,
@@ -98,15 +97,16 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
                        interleave=config.interleave, sequence_parallel=config.sequence_parallel)
     dtype, width = run_dtype(config)  # width: the bytes of an activation and of a gradient on the wire
     carrier = hardware if hardware is not None else Hardware.of(*catalog.hardware("dgx-h100"), dtype)
-    prediction = predict_training(spec, carrier, layout,
-                                  assumptions=assumptions.override({"gradient_reduce_bytes": width}))
+    assumptions = assumptions.override({"gradient_reduce_bytes": width})
+    prediction = predict_training(spec, carrier, layout, assumptions=assumptions, stage="first")
+    first_layers = float(prediction.stages.first.reshape(-1)[0])
     # EP: predict's dispatch and combine of every routed copy, balanced over the experts; the measured
     # bytes follow the actual routing (dropped copies stay home, an uneven split sends more or less)
     wire = {name: float(np.asarray(value).reshape(-1)[0]) for name, value in prediction.wire_bytes.items()
             if name != "expert_parallel" or config.ep > 1}
     wire["tensor_parallel"] += vocab_parallel_bytes(config, spec, head=config.pp == 1)  # rank 0: the first stage
     if config.sequence_parallel:  # each rank's norm weights saw its tokens: their gradients summed over TP, once a step
-        norms = (2 * spec.layers / config.pp + (config.pp == 1)) * spec.hidden * width  # rank 0's (the final on the last)
+        norms = (2 * first_layers + (config.pp == 1)) * spec.hidden * width  # rank 0's (the final on the last)
         wire["tensor_parallel"] += float(ring_all_reduce_bytes_per_rank(norms, config.tp))
     v = config.interleave
     wire["pipeline_p2p"] *= (2 * v - 1) / (2 * v)  # the first stage sends no gradient back from virtual stage 0
@@ -125,13 +125,13 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
         "memory_bytes": {"activations": _pair(mesh_activation_bytes(config, spec, prediction.memory),
                                               result["activation_bytes"] if config.zero_stage < 3 else None)},
         "wire_bytes_per_step": {name: _pair(wire[name], result["wire_bytes_per_step"].get(name, 0.0)) for name in wire},
+        "stage_layers": _pair(first_layers, result["stage_layers"]),
         "bubble": _pair(float(np.asarray(prediction.bubble_fraction).reshape(-1)[0]) if config.pp > 1 else None,
                         result.get("bubble")),
         "step_s": _pair(None, measured_step),
     }
     if hardware is not None:
-        timed = prediction if spec is whole else predict_training(
-            whole, carrier, layout, assumptions=assumptions.override({"gradient_reduce_bytes": width}))
+        timed = predict_training(spec, carrier, layout, assumptions=assumptions)
         report["step_s"] = _pair(float(timed.step_s.reshape(-1)[0]), measured_step)
     return report
 
