@@ -46,6 +46,35 @@ def test_split_balances_predicted_cost_with_the_output_layer(stages):
     assert split(even, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
 
 
+@pytest.mark.parametrize("config", [
+    LlamaConfig(vocab=4096, hidden=32, layers=10, heads=4, kv_heads=2, head_dim=8, ffn_hidden=48, tied_embeddings=True,
+                max_seq=64),
+    LlamaConfig(vocab=512, hidden=64, layers=12, heads=4, kv_heads=4, head_dim=16, ffn_hidden=96, tied_embeddings=False,
+                max_seq=64),
+    LlamaConfig(vocab=2048, hidden=32, layers=9, heads=4, kv_heads=2, head_dim=8, ffn_hidden=48, tied_embeddings=False,
+                max_seq=64, experts=4, experts_per_token=2, expert_ffn_hidden=24, dense_layers=2),
+], ids=["tied, large vocabulary", "untied", "MoE after 2 dense layers"])
+def test_predict_splits_the_stages_as_the_pipeline_does(config):
+    """predict.pipeline.stage_layers, from the architecture alone, gives each rank the layers `split` gives it from
+    the built model's weights (virtual stage i on rank i mod p), the experts' layers among them too."""
+    from mlsyslab.predict.layout import Layout
+    from mlsyslab.predict.pipeline import stage_layers
+
+    model, spec = Llama(config), config.to_spec("probe", 1, "test")
+    for p, v in ((2, 1), (3, 1), (4, 1), (2, 2), (3, 3)):
+        if p * v > config.layers:
+            continue
+        held, moe_held = [0] * p, [0] * p
+        for stage, (first, last) in enumerate(split(model, p * v)):
+            held[stage % p] += last - first
+            moe_held[stage % p] += max(0, last - max(first, config.dense_layers)) if config.experts else 0
+        layout = Layout.of(pp=p, schedule=2 if v > 1 else 1, interleave=v, global_batch=p, seq=64)
+        predicted = stage_layers(spec, layout)
+        assert (float(predicted.first), float(predicted.last)) == (held[0], held[-1]), (p, v, held)
+        assert (float(predicted.first_moe), float(predicted.last_moe)) == (moe_held[0], moe_held[-1]), (p, v)
+        assert float(predicted.busiest_other) in held[:-1]
+
+
 def test_activations_in_flight():
     assert timeline(build("gpipe", 4, 8)).peak_in_flight == [8, 8, 8, 8]
     assert timeline(build("1f1b", 4, 8)).peak_in_flight == [4, 3, 2, 1]

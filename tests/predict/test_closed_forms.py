@@ -5,9 +5,12 @@ import pytest
 
 from mlsyslab.predict import collectives as coll
 from mlsyslab.predict.architecture import kv_bytes_per_token
+from mlsyslab.predict.assumptions import DEFAULT
+from mlsyslab.predict.hardware import Hardware
 from mlsyslab.predict.layout import Layout
-from mlsyslab.predict.memory import activation_bytes_per_layer, model_state_bytes
+from mlsyslab.predict.memory import activation_bytes_per_layer, model_state_bytes, training_memory
 from mlsyslab.predict.pipeline import pipeline_bubble_fraction
+from mlsyslab.predict.training import predict_training
 from mlsyslab.specs import catalog
 from mlsyslab.specs.schema import Model
 
@@ -101,10 +104,6 @@ def test_pipedream_stashes_weight_versions_and_updates_per_microbatch():
     """PipeDream against 1F1B on the same layout: the same activations in flight and bubble; min(m, p) more copies of
     the stage's weights (stage 0 owes p versions a backward); m optimizer updates a step instead of one, each
     followed by the copy its new version stashes."""
-    from mlsyslab.predict.hardware import Hardware
-    from mlsyslab.predict.memory import training_memory
-    from mlsyslab.predict.training import predict_training
-
     model = catalog.model("llama-3-8b")
     hardware = Hardware.of(*catalog.hardware("h100"), "bf16")
     runs = {name: Layout.of(tp=4, pp=4, global_batch=64, seq=4096, schedule=name) for name in ("1f1b", "pipedream")}
@@ -116,3 +115,19 @@ def test_pipedream_stashes_weight_versions_and_updates_per_microbatch():
     assert float(time["pipedream"].bubble_fraction) == float(time["1f1b"].bubble_fraction)
     one, every = (float(time[name].time_s["optimizer"]) for name in ("1f1b", "pipedream"))
     assert every > 64 * one
+
+
+def test_sequence_parallel_regathers_are_timed_where_not_hidden():
+    """Under SP each column-parallel entry all-gathers its input again in backward (2 a dense layer, each s·b·h):
+    hidden behind the input gradient's GEMM by default (Megatron), timed in full at overlap 0 (ours: calibrate's);
+    the bytes are sent either way."""
+    model, hardware = catalog.model("llama-3-8b"), Hardware.of(*catalog.hardware("h100"))
+    layout = Layout.of(tp=8, global_batch=8, micro_batch=1, seq=4096, sequence_parallel=True)
+    hidden = predict_training(model, hardware, layout)
+    shown = predict_training(model, hardware, layout,
+                             assumptions=DEFAULT.override({"sequence_parallel_regather_overlap": 0.0}))
+    gather = coll.reduce_scatter_s(4096 * model.hidden * 2, 8, hardware.scale_up_bw * DEFAULT.scale_up_efficiency,
+                                   DEFAULT.scale_up_latency_s)
+    extra = shown.time_s["tensor_parallel"] - hidden.time_s["tensor_parallel"]
+    assert float(extra) == pytest.approx(8 * 2 * model.layers * float(gather))  # 8 microbatches
+    assert float(shown.wire_bytes["tensor_parallel"]) == float(hidden.wire_bytes["tensor_parallel"])

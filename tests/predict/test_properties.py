@@ -115,9 +115,10 @@ def test_balanced_split_has_the_cheapest_costliest_stage(costs, stages, tail):
     bounds = balanced_split(costs, stages, tail)
     assert [i for i, _ in bounds][0] == 0 and bounds[-1][1] == layers
     assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(bounds, bounds[1:]))
-    splits = [list(zip((0, *ends), (*ends, layers))) for ends in itertools.combinations(range(1, layers), stages - 1)]
-    best = min(score(split) for split in splits)
-    assert score(bounds)[0] == best[0] and score(bounds)[1] == pytest.approx(best[1])
+    scores = [score(list(zip((0, *ends), (*ends, layers)))) for ends in itertools.combinations(range(1, layers), stages - 1)]
+    least = min(worst for worst, _ in scores)
+    most_even = min(squares for worst, squares in scores if worst <= least * (1 + 1e-9))  # sums round differently
+    assert score(bounds) == pytest.approx((least, most_even))
 
 
 def test_stage_layers_follow_the_output_layer():

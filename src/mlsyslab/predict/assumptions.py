@@ -52,6 +52,10 @@ class Assumptions:
     scale_up_latency_s: float = documented(5e-6, "alpha per collective step inside a scale-up domain")
     scale_out_latency_s: float = documented(15e-6, "alpha per collective step across nodes")
     tensor_parallel_overlap: float = documented(0.0, "fraction of tensor-parallel communication hidden behind compute")
+    sequence_parallel_regather_overlap: float = documented(
+        1.0, "fraction of sequence parallelism's backward re-gathers (an all-gather of s·b·h per column-parallel entry, "
+        "so that only the shard is kept for backward: Korthikanti et al. 2022 §4.2.2) hidden behind the input "
+        "gradient's GEMM: Megatron overlaps them; ours runs each before its GEMMs, so `mlsys calibrate` sets 0")
     shared_memory_latency_factor: float = documented(
         1.0, "the α of the collectives our ranks run through shared memory inside a scale-up domain, as a multiple of "
         "the link's: on one x86 host TP's all-reduces, and DDP's and ZeRO's collectives when data parallelism is all "

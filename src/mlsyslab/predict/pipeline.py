@@ -34,8 +34,8 @@ def pipeline_bubble_fraction(stages, microbatches, interleave=1):
 def balanced_split(costs, stages: int, tail: float = 0.0) -> list[tuple[int, int]]:
     """[first, last) layers of each of `stages` contiguous stages, at least one each, for layers costing `costs` and a
     last stage that also pays `tail` (the output layer): of the splits, the one whose costliest stage costs least, and
-    among those the one whose stage costs have the least sum of squares (the most even), then the earliest boundaries
-    — a linear partition by dynamic programming, one numpy pass over (start, end) pairs per stage."""
+    among those the one whose stage costs have the least sum of squares (the most even) — two linear partitions by
+    dynamic programming: the least bottleneck, then the most even split under it."""
     return list(_balanced_split(tuple(float(c) for c in costs), int(stages), float(tail)))
 
 
@@ -44,25 +44,31 @@ def _balanced_split(costs: tuple, stages: int, tail: float) -> tuple:
     layers = len(costs)
     prefix = np.concatenate([[0.0], np.cumsum(costs)])
     cost = prefix[None, :] - prefix[:, None] + np.where(np.arange(layers + 1) == layers, tail, 0.0)[None, :]  # [i, j)
-    costliest, squares = np.full(layers + 1, np.inf), np.full(layers + 1, np.inf)
-    costliest[0] = squares[0] = 0.0
-    starts = []  # per stage k: the start of its last stage for layers [0, j)
-    for k in range(1, stages + 1):
-        valid = (np.arange(layers + 1)[:, None] < np.arange(layers + 1)[None, :]) & np.isfinite(costliest)[:, None]
-        worst = np.where(valid, np.maximum(costliest[:, None], cost), np.inf)
-        even = np.where(valid & (worst == worst.min(axis=0)), squares[:, None] + cost ** 2, np.inf)
-        start = even.argmin(axis=0)
-        columns = np.arange(layers + 1)
-        reachable = (columns >= k) & (columns <= layers - (stages - k))
-        costliest = np.where(reachable, worst[start, columns], np.inf)
-        squares = np.where(reachable, even[start, columns], np.inf)
-        starts.append(start)
+    bottleneck, _ = _partition(cost, stages, np.maximum)
+    within = bottleneck * (1 + 1e-9)  # the prefix sums' rounding
+    _, starts = _partition(cost, stages, lambda best, stage: np.where(stage <= within, best + stage ** 2, np.inf))
     bounds, j = [], layers
     for k in range(stages, 0, -1):
         i = int(starts[k - 1][j])
         bounds.append((i, j))
         j = i
     return tuple(bounds[::-1])
+
+
+def _partition(cost: np.ndarray, stages: int, extend) -> tuple:
+    """Over splits of layers [0, j) into k contiguous stages, k = 1..stages: the best value (least), where
+    `extend(value of [0, i), cost of [i, j))` is a split's value with stage [i, j) added; one numpy pass over (i, j)
+    a stage. Returns the best value of all layers, and per k the start of the last stage of the best split of [0, j)."""
+    ends = np.arange(cost.shape[0])
+    best = np.where(ends == 0, 0.0, np.inf)
+    starts = []
+    for k in range(1, stages + 1):
+        candidates = np.where(ends[:, None] < ends[None, :], extend(best[:, None], cost), np.inf)
+        start = candidates.argmin(axis=0)  # ties: the earliest start
+        reachable = (ends >= k) & (ends <= ends[-1] - (stages - k))
+        best = np.where(reachable, candidates[start, ends], np.inf)
+        starts.append(start)
+    return best[-1], starts
 
 
 @dataclass(frozen=True)
