@@ -39,9 +39,10 @@ class MixtureOfExperts(nn.Module):
         self.experts = nn.ModuleList(SwiGLU(hidden, ffn_hidden) for _ in range(experts))
         self.last_routing: Routing | None = None
 
-    def route(self, tokens: torch.Tensor) -> Routing:
-        """Top-k routing of [n, hidden] tokens with per-expert capacity (first come, first served)."""
-        probabilities = F.softmax(self.router(tokens).float(), dim=-1)
+    def route(self, tokens: torch.Tensor, logits: torch.Tensor | None = None) -> Routing:
+        """Top-k routing of [n, hidden] tokens with per-expert capacity (first come, first served); `logits`: the
+        router's product of them, when computed elsewhere (parallel.tensor under sequence parallelism)."""
+        probabilities = F.softmax((self.router(tokens) if logits is None else logits).float(), dim=-1)
         weights, experts = probabilities.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
         n = tokens.shape[0]

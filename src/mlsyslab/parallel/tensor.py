@@ -11,7 +11,8 @@ activations between blocks are split along the sequence instead of replicated: f
 all-gather along the sequence (reduce-scatter backward) and g a reduce-scatter (all-gather
 backward) — the same bytes, but norms and residuals run on 1/t of the tokens; and a block's column-parallel
 entry keeps only its shard of the gathered input for backward, gathering it again there (one more all-gather of
-s·b·h per entry: `_GatheredLinears`; an MoE MLP's routed experts still keep the gathered tokens). The embedding is split
+s·b·h per entry: `_GatheredLinears`, and for an MoE MLP's router `_RouterOnGathered`; the experts keep their
+routed copies, as without SP). The embedding is split
 by vocabulary rows, and the loss is computed without gathering the logits (vocab-parallel
 cross-entropy: max, sum of exponentials and target logit are each one all-reduce). An MoE MLP is
 split expert by expert behind the same f and g (`TensorParallelExperts`).
@@ -206,6 +207,24 @@ class _OnGradient(torch.autograd.Function):
         return ctx.transform(grad), None
 
 
+class _RouterOnGathered(torch.autograd.Function):
+    """Under sequence parallelism, the router's logits from the gathered tokens, keeping only this rank's shard of
+    them for the weight's gradient and gathering it again in backward (as `_GatheredLinears` does for the dense
+    entries); the gathered tokens get their gradient, which their all-gather's backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, shard, gathered, weight, tp: TensorGroup):
+        ctx.tp = tp
+        ctx.save_for_backward(shard, weight)
+        return F.linear(gathered, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shard, weight = ctx.saved_tensors
+        full = ctx.tp.all_gather_sequence(shard)
+        return None, grad @ weight, grad.t() @ full.reshape(-1, full.shape[-1]), None
+
+
 class TensorParallelExperts(nn.Module):
     """An MoE MLP (nn.moe) split like the dense one: every expert's gate and up by columns, its down
     projection by rows, the router replicated (Megatron-Core's expert tensor parallelism, ETP = TP).
@@ -229,9 +248,12 @@ class TensorParallelExperts(nn.Module):
                 linear.weight = nn.Parameter(linear.weight.detach().chunk(tp.size, dim=dim)[tp.index].clone())
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        shard = x
         x = _Enter.apply(x, self.tp, self.sp)
         tokens = x.reshape(-1, x.shape[-1])
-        routing = self.layer.route(_OnGradient.apply(tokens, lambda gradient: gradient / self.tp.size))
+        router_input = _OnGradient.apply(tokens, lambda gradient: gradient / self.tp.size)
+        logits = _RouterOnGathered.apply(shard, router_input, self.layer.router.weight, self.tp) if self.sp else None
+        routing = self.layer.route(router_input, logits)
         self.layer.last_routing = routing
         routing.weight = _OnGradient.apply(routing.weight,
                                            lambda gradient: self.tp.all_reduce(gradient, "all_reduce_routing"))

@@ -105,6 +105,8 @@ def stage_layers(model: Model, layout: Layout) -> StageLayers:
 
 
 def _rank_layers(costs: tuple, dense_layers: int, head: float, p: int, v: int) -> dict:
+    """StageLayers' fields for one (pp, v): rank r holds virtual stages r, r + p, ...; the busiest other is the
+    rank before the last with the most forward FLOPs."""
     layers = len(costs)
     if p * v > layers:
         share, moe_share = layers / p, (layers - dense_layers) / p

@@ -126,10 +126,11 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     tp_local = np.minimum(t, hw.scale_up_domain)
     tp_count = (4 + 2 * full) * layers
     tp_time = tp_count * coll.hierarchical_all_reduce_s(act_bytes, t, tp_local, **shared_link)
-    # Under SP each column-parallel entry (attention's, and a dense MLP's) gathers its input again in backward, so as
-    # to keep only its shard (Korthikanti et al. §4.2.2): an all-gather, half an all-reduce's bytes, per entry, timed
-    # as far as it is not hidden behind the input gradient's GEMM (Megatron hides it; ours does not).
-    sp_regathers = np.where(layout.sequence_parallel, layers - 0.5 * moe_layers, 0.0)
+    # Under SP each column-parallel entry (attention's, and the MLP's: a dense one's, or an MoE one's router) gathers
+    # its input again in backward, so as to keep only its shard (Korthikanti et al. §4.2.2): an all-gather, half an
+    # all-reduce's bytes, per entry, timed as far as it is not hidden behind the input gradient's GEMM (Megatron hides
+    # it; ours does not).
+    sp_regathers = np.where(layout.sequence_parallel, layers, 0.0)
     tp_bytes = (tp_count + sp_regathers) * coll.ring_all_reduce_bytes_per_rank(act_bytes, t)
     tp_time = tp_time + sp_regathers * 2 * coll.hierarchical_shard_s(act_bytes, t, tp_local, **shared_link) \
         * (1 - a.sequence_parallel_regather_overlap)
