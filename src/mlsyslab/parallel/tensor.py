@@ -111,11 +111,15 @@ class _GatheredLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
-        full = ctx.tp.all_gather_sequence(x)
-        flat = full.reshape(-1, full.shape[-1])
-        weight_grads = [grad.reshape(-1, grad.shape[-1]).t() @ flat for grad in grads]
         input_grad = sum(grad @ weight for grad, weight in zip(grads, weights))
-        return (ctx.tp.reduce_scatter_sequence(input_grad), None, *weight_grads)
+        return (ctx.tp.reduce_scatter_sequence(input_grad), None, *_regathered_weight_grads(ctx.tp, x, grads))
+
+
+def _regathered_weight_grads(tp: TensorGroup, shard: torch.Tensor, grads) -> list:
+    """Each product's weight gradient, grad^T · input, from the input gathered again from this rank's shard."""
+    full = tp.all_gather_sequence(shard)
+    flat = full.reshape(-1, full.shape[-1])
+    return [grad.reshape(-1, grad.shape[-1]).t() @ flat for grad in grads]
 
 
 def _enter_linears(x, tp: TensorGroup, sequence_parallel: bool, *linears) -> tuple:
@@ -221,8 +225,7 @@ class _RouterOnGathered(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         shard, weight = ctx.saved_tensors
-        full = ctx.tp.all_gather_sequence(shard)
-        return None, grad @ weight, grad.t() @ full.reshape(-1, full.shape[-1]), None
+        return None, grad @ weight, *_regathered_weight_grads(ctx.tp, shard, [grad]), None
 
 
 class TensorParallelExperts(nn.Module):

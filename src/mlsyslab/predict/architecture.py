@@ -47,6 +47,16 @@ class ParameterBreakdown:
     def per_layer_moe(self) -> int:
         return self.attention + self.routed_experts + self.shared_experts + self.router + self.layer_norms
 
+    @property
+    def matmul_per_dense_layer(self) -> int:
+        """The matrix weights a token meets in a dense layer (its forward FLOPs are twice this)."""
+        return self.attention + self.dense_mlp
+
+    @property
+    def matmul_per_moe_layer(self) -> int:
+        """The matrix weights a token meets in an MoE layer: the router, shared experts and top-k routed experts."""
+        return self.attention + self.shared_experts + self.router + self.experts_per_token * self.routed_expert
+
     def total(self) -> int:
         stack = self.dense_layers * self.per_layer_dense + self.moe_layers * self.per_layer_moe
         return self.embedding + self.unembedding + stack + self.final_norm + self.extra

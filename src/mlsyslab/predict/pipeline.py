@@ -92,9 +92,7 @@ def stage_layers(model: Model, layout: Layout) -> StageLayers:
     output layer on the last), virtual stage i on rank i mod pp (parallel/pipeline.py). Where pp × v exceeds the layers
     (an infeasible layout) the layers are shared evenly, fractions and all."""
     b = parameters(model)
-    dense = 2.0 * (b.attention + b.dense_mlp)
-    moe = 2.0 * (b.attention + b.shared_experts + b.router + b.experts_per_token * b.routed_expert)
-    costs = [dense] * b.dense_layers + [moe] * b.moe_layers
+    costs = [2.0 * b.matmul_per_dense_layer] * b.dense_layers + [2.0 * b.matmul_per_moe_layer] * b.moe_layers
     head = 2.0 * b.output_projection
     pp = np.asarray(layout.pp, dtype=np.int64)
     chunks = np.broadcast_to(np.where(np.asarray(layout.schedule) == 2, np.asarray(layout.interleave), 1), pp.shape)

@@ -93,11 +93,9 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     selective = layout.recompute == 1
 
     # Compute per microbatch on that rank.
-    dense_active = breakdown.attention + breakdown.dense_mlp  # the matmul weights a token meets in each kind of layer
-    moe_active = breakdown.attention + breakdown.shared_experts + breakdown.router \
-        + breakdown.experts_per_token * breakdown.routed_expert
     d_qk, d_v = attention_dims(model)
-    layer_matmul_fwd = 2 * tokens * ((layers - moe_layers) * dense_active + moe_layers * moe_active) / t
+    layer_matmul_fwd = 2 * tokens * ((layers - moe_layers) * breakdown.matmul_per_dense_layer
+                                     + moe_layers * breakdown.matmul_per_moe_layer) / t
     logits_fwd = 2 * tokens * breakdown.output_projection / t * head
     attention_fwd = 2 * tokens * layout.seq * (d_qk + d_v) * layers / t
     passes = 3 + full  # forward, backward (2x); full recompute repeats the layers' forward (not the logits)
