@@ -69,6 +69,26 @@ def test_abort_frees_every_block(llm):
     assert engine.kv.num_used == 0 and not engine.has_work() and engine.abort("a") is None
 
 
+def test_requests_added_together_are_queued_all_or_none():
+    from mlsyslab.errors import InvalidValue
+    from mlsyslab.serve.scheduler import QueueFull
+    from tests.serve.tiny import block_bytes, tiny_model
+
+    engine = Engine(tiny_model(), config=EngineConfig(kv_cache_bytes=64 * block_bytes(), block_size=4, max_waiting=2))
+    good = ("a", [1, 2, 3], SamplingParams(max_tokens=4))
+    with pytest.raises(InvalidValue, match="prompt tokens"):
+        engine.add_requests([good, ("b", [1] * 500, SamplingParams(max_tokens=4))])
+    with pytest.raises(QueueFull):
+        engine.add_requests([good, ("b", [4, 5], SamplingParams()), ("c", [6], SamplingParams())])
+    assert not engine.has_work() and not engine.trackers and engine.kv.num_used == 0
+    engine.add_requests([good, ("b", [4, 5], SamplingParams(max_tokens=4))])
+    finished = []
+    while engine.has_work():
+        finished += engine.step()[1]
+    assert sorted(o.request_id for o in finished) == ["a", "b"]
+    engine.check()
+
+
 def test_packed_fp32_mixed_batch_equals_batch_1():
     """The serving fast path (oneDNN-prepacked, fused weights) gives the same greedy tokens in a
     chunked, mixed batch as one request at a time (fp32, tiny random model)."""

@@ -19,8 +19,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def server():
     """As `mlsys serve` starts it: the engine process loads the weights and its tokenizer from loaders."""
     load_model, load_tokenizer, name = loaders("default")
-    # one request runs and one waits at a time, so three at once find the queue full (test_queue_bound_gives_503)
-    config = EngineConfig(kv_cache_bytes=200_000_000, max_running=1, max_waiting=1)
+    # one request runs and two wait at a time, so a call of three choices beside a running one finds the queue
+    # full (test_queue_bound_gives_503_and_admits_a_call_whole_or_not_at_all)
+    config = EngineConfig(kv_cache_bytes=200_000_000, max_running=1, max_waiting=2)
     app, engine = build_server(load_model, load_tokenizer, name, config, threads=2)
     tokenizer = load_tokenizer()
     with ServerThread(app) as url:
@@ -112,18 +113,71 @@ def test_completion_suffix_is_refused(client):
     assert bad.value.body["param"] == "suffix"
 
 
-def test_queue_bound_gives_503(server):
+def test_queue_bound_gives_503_and_admits_a_call_whole_or_not_at_all(server):
     url, engine, _ = server
     body = {"prompt": "Count to a thousand:", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", url + "/v1/completions", json=body) as running:
             lines = running.iter_lines()  # held: dropping the iterator would close the stream (an abort)
             next(line for line in lines if line.startswith("data:"))  # running now
-            with http.stream("POST", url + "/v1/completions", json=body) as waiting:
+            three = http.post(url + "/v1/completions", json={**body, "stream": False, "n": 3})
+            assert engine.check().waiting == 0  # none of the three stayed queued
+            with http.stream("POST", url + "/v1/completions", json={**body, "n": 2}) as waiting:
                 assert waiting.status_code == 200
-                response = http.post(url + "/v1/completions", json={**body, "stream": False})
-    assert response.status_code == 503 and response.json()["error"]["code"] == "queue_full"
+                one_more = http.post(url + "/v1/completions", json={**body, "stream": False})
+    for response in (three, one_more):
+        assert response.status_code == 503 and response.json()["error"]["code"] == "queue_full"
     wait_until_idle(engine)
+
+
+def test_n_choices_and_lists_of_prompts(client):
+    """Greedy choices each equal the call with one; a list of prompts (text or token ids) answers each in
+    order; usage counts each prompt once and every completion."""
+    def complete(prompt, **options):
+        return client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8, temperature=0,
+                                         **options)
+    prompts = ["The three primary colours are", "Paris is the capital of"]
+    singles = [complete(prompt) for prompt in prompts]
+    both = complete(prompts)
+    assert [(c.index, c.text) for c in both.choices] == [(0, singles[0].choices[0].text), (1, singles[1].choices[0].text)]
+    assert both.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert both.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    as_ids = complete([[504, 2365, 4226], [504, 2365]])
+    assert [c.text for c in as_ids.choices] == [complete([504, 2365, 4226]).choices[0].text,
+                                                 complete([504, 2365]).choices[0].text]
+    twice = complete(prompts[0], n=2)
+    assert [(c.index, c.text) for c in twice.choices] == [(0, singles[0].choices[0].text), (1, singles[0].choices[0].text)]
+    assert twice.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert twice.usage.completion_tokens == 2 * singles[0].usage.completion_tokens
+
+
+def test_seeded_choices_are_each_reproducible_streamed_or_not(client):
+    """With a seed, choice j samples as a call with seed + j would (as vLLM's parallel sampling)."""
+    def ask(**options):
+        return client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=12,
+                                              temperature=1.0, **options)
+    several = ask(n=2, seed=7)
+    texts = [c.message.content for c in several.choices]
+    assert texts == [ask(seed=7).choices[0].message.content, ask(seed=8).choices[0].message.content]
+    assert texts[0] != texts[1]
+    streamed = {0: "", 1: ""}
+    chunks = list(ask(n=2, seed=7, stream=True, stream_options={"include_usage": True}))
+    for piece in chunks:
+        for choice in piece.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert [streamed[0], streamed[1]] == texts
+    assert chunks[-1].usage.completion_tokens == several.usage.completion_tokens
+
+
+@pytest.mark.parametrize("body, param", [({"prompt": "hi", "n": 0}, "n"), ({"prompt": "hi", "n": 129}, "n"),
+                                         ({"prompt": []}, "prompt"),
+                                         ({"prompt": ["hi", "x " * 9000]}, "prompt tokens")])
+def test_a_bad_choice_refuses_the_whole_call(server, body, param):
+    url, engine, _ = server
+    response = httpx.post(url + "/v1/completions", json={"max_tokens": 2, **body})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+    stats = engine.check()
+    assert stats.idle and stats.kv_blocks_used == stats.prefix_cache_blocks
 
 
 def test_client_disconnect_aborts_and_frees_blocks(server):
@@ -139,9 +193,9 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
                 break  # leave after the first token
     wait_until_idle(engine)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(url + "/v1/completions", json=body, timeout=1.0)
+        httpx.post(url + "/v1/completions", json={**body, "n": 2}, timeout=1.0)
     wait_until_idle(engine)
-    assert aborts(url) == aborted + 2
+    assert aborts(url) == aborted + 3  # the stream's one, and the timed-out call's two choices
     stats = engine.check()  # the child's block pool invariant holds
     assert stats.kv_blocks_used == stats.prefix_cache_blocks  # only the prefix cache holds blocks
 

@@ -160,6 +160,21 @@ class Engine:
         self.trackers[request_id] = OutputTracker(request, self.tokenizer, self.eos_token_ids, max_seq)
         return request
 
+    def add_requests(self, requests: list[tuple[str, list[int], SamplingParams]]) -> list[Request]:
+        """Queue (request_id, prompt_ids, params) requests all or none — the choices and prompts of one API
+        call: if one is invalid or the queue fills, those already queued are withdrawn (no step has run
+        them, no output is reported) and the error is raised."""
+        added = []
+        try:
+            for request in requests:
+                added.append(self.add_request(*request))
+        except BaseException:
+            for request in added:
+                del self.trackers[request.request_id]
+                self.scheduler.abort(request)
+            raise
+        return added
+
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request and free its blocks (no-op if it already finished)."""
         tracker = self.trackers.pop(request_id, None)

@@ -8,10 +8,11 @@ In one process the two stall each other, and more intra-op threads make it worse
 and 81 ms at 16 in flight, although the same engine alone steps in 15 ms and 30 ms. With the engine
 in its own process the server's work runs beside it, not between its kernels.
 
-Parent side (`EngineProcess`, used by `serve.server`): `submit` sends ("add", ...) down a pipe and
-awaits the child's admission answer (invalid input and a full queue come back as the same errors
-`Engine.add_request` raises); a reader thread receives each step's deltas and finished outputs and
-hands them to the request's `asyncio.Queue`; a consumer that leaves early sends ("abort", id). Child
+Parent side (`EngineProcess`, used by `serve.server`): `submit` sends ("add", requests) down a pipe —
+the choices and prompts of one API call, admitted all or none (`Engine.add_requests`) — and awaits
+the child's answer (invalid input and a full queue come back as the same errors `Engine.add_request`
+raises); a reader thread receives each step's deltas and finished outputs and hands them to the
+call's one `asyncio.Queue`; a consumer that leaves early sends ("abort", id) for each unfinished one. Child
 side (`run_engine`): apply every pending command, step while there is work, block on the pipe when
 idle, and send one message per step with the engine's counters (`EngineStats`, read by /metrics).
 The model reaches the child through torch's shared-memory pickling (no copy through the pipe); the
@@ -64,7 +65,8 @@ class EngineStats:
 
 
 class EngineProcess:
-    """`async for item in await engine.submit(id, prompt_ids, params)`: Deltas, then the RequestOutput."""
+    """`async for item in await engine.submit([(id, prompt_ids, params), ...])`: the requests' Deltas as their
+    tokens come, each one's RequestOutput when it ends."""
 
     def __init__(self, model, tokenizer, config, threads: int | None = None, on_finish=None,
                  start_timeout_s: float = 300.0):
@@ -109,34 +111,38 @@ class EngineProcess:
         with self.send_lock:
             self.commands.send(message)
 
-    async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    async def submit(self, requests: list[tuple[str, list[int], SamplingParams]]
                      ) -> AsyncIterator[Delta | RequestOutput]:
-        """Admit a request (raising InvalidValue / QueueFull before anything runs) and return its stream:
-        Deltas as tokens come, the RequestOutput last. Leaving the stream early aborts the request."""
+        """Admit (request_id, prompt_ids, params) requests, all or none (raising InvalidValue / QueueFull before
+        anything runs), and return their merged stream: Deltas as tokens come, each request's RequestOutput when
+        it ends, the stream's end after the last. Leaving the stream early aborts the unfinished ones."""
         if not self.healthy:
             raise RuntimeError(f"engine is not running: {self.error!r}")
         loop = asyncio.get_running_loop()
         admitted, stream = loop.create_future(), asyncio.Queue()
-        self.admissions[request_id] = (loop, admitted, stream)
-        self.send("add", request_id, prompt_ids, params)
+        request_ids = [request_id for request_id, _, _ in requests]
+        self.admissions[request_ids[0]] = (loop, admitted, stream)
+        self.send("add", requests)
         try:
             await admitted
         except asyncio.CancelledError:
-            self.abort(request_id)  # queued after the add: admitted, then aborted at once
+            for request_id in request_ids:  # queued after the add: admitted, then aborted at once
+                self.abort(request_id)
             raise
-        return self.stream(request_id, stream)
+        return self.stream(request_ids, stream)
 
-    async def stream(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[Delta | RequestOutput]:
-        done = False
+    async def stream(self, request_ids: list[str], stream: asyncio.Queue) -> AsyncIterator[Delta | RequestOutput]:
+        unfinished = set(request_ids)
         try:
-            while not done:
+            while unfinished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
-                done = isinstance(item, RequestOutput)
+                if isinstance(item, RequestOutput):
+                    unfinished.discard(item.request_id)
                 yield item
         finally:
-            if not done:
+            for request_id in unfinished:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -198,10 +204,11 @@ class EngineProcess:
             for done in self.checks:
                 done.set()
 
-    def admitted(self, request_id: str, error: BaseException | None) -> None:
-        loop, future, stream = self.admissions.pop(request_id)
+    def admitted(self, request_ids: list[str], error: BaseException | None) -> None:
+        loop, future, stream = self.admissions.pop(request_ids[0])
         if error is None:
-            self.streams[request_id] = (loop, stream)
+            for request_id in request_ids:
+                self.streams[request_id] = (loop, stream)
         loop.call_soon_threadsafe(settle, future, error)
 
     def post_many(self, deltas: list[Delta]) -> None:
@@ -263,13 +270,14 @@ def run_engine(model, tokenizer, config, threads: int | None, commands, results)
 
 def apply(engine, kind: str, payload: list, results) -> None:
     if kind == "add":
-        request_id, prompt_ids, params = payload
+        requests = payload[0]
+        request_ids = [request_id for request_id, _, _ in requests]
         try:
-            engine.add_request(request_id, prompt_ids, params)
+            engine.add_requests(requests)
         except Exception as error:  # noqa: BLE001 - any admission error goes back to the caller
-            results.send(("admitted", request_id, error))
+            results.send(("admitted", request_ids, error))
             return
-        results.send(("admitted", request_id, None))
+        results.send(("admitted", request_ids, None))
     elif kind == "abort":
         output = engine.abort(payload[0])
         if output is not None:

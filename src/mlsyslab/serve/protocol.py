@@ -1,16 +1,22 @@
 """The OpenAI API's request and response shapes, and their translation to and from the engine's.
 
 Requests are pydantic models that accept the fields the official `openai` client sends (unknown
-ones are ignored, as OpenAI-compatible servers do); fields we cannot honour (n > 1, echo, best_of, suffix,
+ones are ignored, as OpenAI-compatible servers do); fields we cannot honour (echo, best_of, suffix,
 logit_bias, tools, tool_choice, functions, a response_format other than text: constrained decoding is not
 built) are rejected with a 400 that names them rather than silently ignored. Extensions
 shared with vLLM: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids.
+
+One call may ask for several choices: `n` per prompt, and for completions a list of prompts (strings or
+token-id lists). Each choice is one engine request; prompt i's choice j has index i·n + j, and with a
+seed it samples with seed + j (as vLLM's parallel sampling does), so the choices differ and each is
+reproducible alone. The prefix cache shares a prompt's blocks between its choices once the first has
+prefilled them. Usage counts each prompt once and every choice's completion.
 """
 
 from __future__ import annotations
 
-import time
 import uuid
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -19,6 +25,9 @@ from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.tokenizer import Tokenizer
 from mlsyslab.serve.output import RequestOutput
 from mlsyslab.serve.sampling import Sampled, SamplingParams
+
+MAX_CHOICES = 128  # OpenAI's bound on n
+Choice = tuple[list[int], SamplingParams]  # one engine request: prompt ids, sampling params
 
 
 class StreamOptions(BaseModel):
@@ -46,9 +55,15 @@ class CommonRequest(BaseModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
 
+    def choices(self, prompts: list[list[int]], max_tokens: int, logprobs: int | None) -> list[Choice]:
+        """Every prompt's n choices in index order (prompt i's choice j at i·n + j; with a seed, seed + j)."""
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidValue("n", self.n, f"an integer in 1..{MAX_CHOICES}")
+        params = self.sampling_params(max_tokens, logprobs)
+        each = [params if params.seed is None else replace(params, seed=params.seed + j) for j in range(self.n)]
+        return [(prompt, choice) for prompt in prompts for choice in each]
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        if self.n != 1:
-            raise InvalidValue("n", self.n, "1 (one choice per request)")
         if self.logit_bias:
             raise InvalidValue("logit_bias", "...", "null (not supported)")
         options = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
@@ -60,17 +75,18 @@ class CommonRequest(BaseModel):
 
 
 class CompletionRequest(CommonRequest):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
-    def to_engine(self, tokenizer: Tokenizer, max_seq: int, capacity: int) -> tuple[list[int], SamplingParams]:
-        """(prompt ids, sampling params); max_tokens defaults to 16 as in OpenAI's legacy API."""
-        return self.prompt_ids(tokenizer), self.sampling_params(self.max_tokens or 16, self.logprobs)
+    def to_engine(self, tokenizer: Tokenizer, max_seq: int, capacity: int) -> list[Choice]:
+        """The call's choices; max_tokens defaults to 16 as in OpenAI's legacy API."""
+        return self.choices(self.prompt_ids(tokenizer), self.max_tokens or 16, self.logprobs)
 
-    def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
+    def prompt_ids(self, tokenizer: Tokenizer) -> list[list[int]]:
+        """Each prompt's token ids: one string or id list, or a list of them."""
         if self.echo:
             raise InvalidValue("echo", True, "false (not supported)")
         if self.best_of not in (None, 1):
@@ -78,11 +94,11 @@ class CompletionRequest(CommonRequest):
         if self.suffix:
             raise InvalidValue("suffix", self.suffix[:40], "null (insertion is not supported)")
         prompt = self.prompt
-        if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-            if len(prompt) != 1:
-                raise InvalidValue("prompt", f"{len(prompt)} strings", "one prompt per request")
-            prompt = prompt[0]
-        return tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not prompt:
+            raise InvalidValue("prompt", prompt, "a string, token ids, or a non-empty list of either")
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            prompt = [prompt]
+        return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
 
 class ChatRequest(CommonRequest):
@@ -95,8 +111,8 @@ class ChatRequest(CommonRequest):
     functions: list | None = None
     response_format: dict | None = None
 
-    def to_engine(self, tokenizer: Tokenizer, max_seq: int, capacity: int) -> tuple[list[int], SamplingParams]:
-        """(prompt ids, sampling params); max_tokens defaults to what is left of the context."""
+    def to_engine(self, tokenizer: Tokenizer, max_seq: int, capacity: int) -> list[Choice]:
+        """The call's n choices; max_tokens defaults to what is left of the context."""
         prompt_ids = self.prompt_ids(tokenizer)
         if len(prompt_ids) >= max_seq:
             raise InvalidValue("messages", f"{len(prompt_ids)} tokens", f"< the context length {max_seq}")
@@ -104,7 +120,7 @@ class ChatRequest(CommonRequest):
         top = self.top_logprobs or 0
         if top and not self.logprobs:
             raise InvalidValue("top_logprobs", top, "null unless logprobs is true")
-        return prompt_ids, self.sampling_params(wanted, top if self.logprobs else None)
+        return self.choices([prompt_ids], wanted, top if self.logprobs else None)
 
     def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
         for name in ("tools", "functions"):
@@ -139,10 +155,12 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(output: RequestOutput) -> dict:
-    prompt, completion = len(output.prompt_ids), len(output.output_ids)
+def usage(outputs: list[RequestOutput], n: int) -> dict:
+    """Token counts of one call's outputs (in index order, n choices a prompt): each prompt counted once."""
+    firsts = outputs[::n]
+    prompt, completion = sum(len(o.prompt_ids) for o in firsts), sum(len(o.output_ids) for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": output.cached_prompt_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(o.cached_prompt_tokens for o in firsts)}}
 
 
 def completion_logprobs(tokenizer: Tokenizer, sampled: list[Sampled], text_offset: int = 0) -> dict:
@@ -167,7 +185,7 @@ def chat_logprobs(tokenizer: Tokenizer, sampled: list[Sampled]) -> dict:
                         for s in sampled]}
 
 
-def chunk(kind: Literal["text_completion", "chat.completion.chunk"], request_id: str, model: str, choice: dict,
-          created: int | None = None) -> dict:
-    return {"id": request_id, "object": kind, "created": created or int(time.time()), "model": model,
-            "choices": [{"index": 0, **choice}]}
+def envelope(kind: Literal["text_completion", "chat.completion", "chat.completion.chunk"], request_id: str,
+             model: str, created: int, choices: list[dict]) -> dict:
+    """A response or stream chunk around its choices (each with its "index")."""
+    return {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices}

@@ -5,9 +5,10 @@ Routes: POST /v1/completions and /v1/chat/completions (JSON, or server-sent even
 `"stream": true`), GET /v1/models, /health, /metrics (Prometheus). Errors use OpenAI's body
 `{"error": {"message", "type", "param", "code"}}`: 400 for an invalid parameter or a prompt over the
 context length, 404 for another model name, 503 when the queue is full or the engine has failed.
-A client that disconnects — mid-stream, or while waiting for a non-streamed answer — aborts its
-request, which frees its KV blocks. Tested with the official `openai` client in
-tests/serve/test_server.py.
+A call's choices (`n`, and the completions API's list of prompts; `serve.protocol`) are engine requests
+admitted together or not at all, and stream back merged. A client that disconnects — mid-stream, or
+while waiting for a non-streamed answer — aborts its requests, which frees their KV blocks. Tested with
+the official `openai` client in tests/serve/test_server.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,11 +33,12 @@ from mlsyslab.serve.protocol import (
     ChatRequest,
     CompletionRequest,
     chat_logprobs,
-    chunk,
     completion_logprobs,
+    envelope,
     new_id,
     usage,
 )
+from mlsyslab.serve.sampling import SamplingParams
 from mlsyslab.serve.scheduler import QueueFull
 
 
@@ -84,51 +88,58 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    async def admit(body, prefix: str):
-        """Check the model name, translate the body, and queue it: (request_id, params, stream)."""
+    async def admit(body, prefix: str) -> Call:
+        """Check the model name, translate the body, and queue its choices, all or none."""
         check_model(body.model, model_name)
-        prompt_ids, params = body.to_engine(tokenizer, max_seq, capacity)
-        request_id = new_id(prefix)
-        return request_id, params, await engine.submit(request_id, prompt_ids, params)
+        choices = body.to_engine(tokenizer, max_seq, capacity)
+        call = Call(new_id(prefix), int(time.time()), body.n, len(choices), choices[0][1])
+        requests = [(call.engine_id(index), prompt_ids, params) for index, (prompt_ids, params) in enumerate(choices)]
+        call.stream = await engine.submit(requests)
+        return call
 
-    async def events(stream, body, kind: str, request_id: str, render, first: dict | None = None):
-        """Server-sent events: `render(delta)` gives each delta's choices; usage last if asked; then [DONE]."""
+    async def events(call: Call, body, kind: str, render, first: dict | None = None):
+        """Server-sent events: `first` for each choice, then `render(delta, index)` gives each delta's choices;
+        usage last if asked; then [DONE]."""
         if first is not None:
-            yield sse(chunk(kind, request_id, model_name, first))
-        async for item in stream:
-            if not isinstance(item, RequestOutput):
-                for choice in render(item):
-                    yield sse(chunk(kind, request_id, model_name, choice))
-            elif body.stream_options and body.stream_options.include_usage:
-                yield sse({**chunk(kind, request_id, model_name, {}), "choices": [], "usage": usage(item)})
+            yield sse(envelope(kind, call.request_id, model_name, call.created,
+                               [{"index": index, **first} for index in range(call.choices)]))
+        async for item in call.stream:
+            index = call.index(item.request_id)
+            if isinstance(item, RequestOutput):
+                call.outputs[index] = item
+            else:
+                for choice in render(item, index):
+                    yield sse(envelope(kind, call.request_id, model_name, call.created, [{"index": index, **choice}]))
+        if body.stream_options and body.stream_options.include_usage:
+            yield sse({**envelope(kind, call.request_id, model_name, call.created, []), "usage": call.usage()})
         yield "data: [DONE]\n\n"
 
     async def respond(body, http: Request, prefix: str, kind: str, render_delta, render_output, first=None):
         try:
-            request_id, params, stream = await admit(body, prefix)
+            call = await admit(body, prefix)
         except MlsysError as error:
             return error_for(error)
         except RuntimeError as error:  # the engine process has failed
             return error_response(503, str(error), "server_error")
         if body.stream:
-            return StreamingResponse(events(stream, body, kind + ".chunk" if first else kind, request_id,
-                                            lambda delta: render_delta(delta, params), first),
+            return StreamingResponse(events(call, body, kind + ".chunk" if first else kind,
+                                            lambda delta, index: render_delta(delta, index, call.params), first),
                                      media_type="text/event-stream")
-        output = await collect(stream, http)
-        if output is None:
-            return Response(status_code=499)  # the client left; its request was aborted
-        return {**chunk(kind, request_id, model_name, render_output(output, params)), "usage": usage(output)}
+        if not await collect(call, http):
+            return Response(status_code=499)  # the client left; its requests were aborted
+        choices = [{"index": index, **render_output(output, call.params)} for index, output in sorted(call.outputs.items())]
+        return {**envelope(kind, call.request_id, model_name, call.created, choices), "usage": call.usage()}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
-        offset = 0
+        offsets: dict[int, int] = {}  # each choice's characters sent so far
 
-        def render_delta(delta, params):
-            nonlocal offset
+        def render_delta(delta, index, params):
             choices = []
+            offset = offsets.get(index, 0)
             if delta.text or delta.logprobs or delta.finish_reason:
                 choices.append(completion_choice(delta.text, delta.finish_reason, delta.logprobs, offset, params))
-            offset += len(delta.text)
+            offsets[index] = offset + len(delta.text)
             return choices
 
         def render_output(output, params):
@@ -145,7 +156,7 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
         def logprobs_of(sampled, params):
             return chat_logprobs(tokenizer, sampled) if params.logprobs is not None else None
 
-        def render_delta(delta, params):
+        def render_delta(delta, index, params):
             choices = []
             if delta.text or delta.logprobs:
                 choices.append({"delta": {"content": delta.text}, "logprobs": logprobs_of(delta.logprobs, params),
@@ -164,22 +175,46 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
     return app
 
 
-async def collect(stream, http: Request) -> RequestOutput | None:
-    """The final output of a non-streamed request; None (and the request aborted) if the client left."""
-    async def last():
-        final = None
-        async for item in stream:
-            final = item
-        return final
+@dataclass
+class Call:
+    """One API call: its id and creation time, n choices a prompt, how many choices in all and their shared
+    params, their merged engine stream (engine request `{request_id}-{index}` is choice `index`), and the
+    outputs as they end."""
 
-    task = asyncio.ensure_future(last())
+    request_id: str
+    created: int
+    n: int
+    choices: int
+    params: SamplingParams
+    stream: AsyncIterator | None = None
+    outputs: dict[int, RequestOutput] = field(default_factory=dict)
+
+    def engine_id(self, index: int) -> str:
+        return f"{self.request_id}-{index}"
+
+    def index(self, engine_id: str) -> int:
+        return int(engine_id.rpartition("-")[2])
+
+    def usage(self) -> dict:
+        return usage([self.outputs[index] for index in sorted(self.outputs)], self.n)
+
+
+async def collect(call: Call, http: Request) -> bool:
+    """Wait for every choice of a non-streamed call; False (and the requests aborted) if the client left."""
+    async def drain():
+        async for item in call.stream:
+            if isinstance(item, RequestOutput):
+                call.outputs[call.index(item.request_id)] = item
+
+    task = asyncio.ensure_future(drain())
     while True:
         done, _ = await asyncio.wait({task}, timeout=0.25)
         if done:
-            return task.result()
+            task.result()
+            return True
         if await http.is_disconnected():
-            task.cancel()  # the stream's `finally` aborts the request
-            return None
+            task.cancel()  # the stream's `finally` aborts the unfinished requests
+            return False
 
 
 def check_model(requested: str | None, served: str) -> None:
