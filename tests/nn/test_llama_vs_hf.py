@@ -88,3 +88,22 @@ def test_greedy_equals_transformers_10_prompts_x_64_tokens(models):
 def test_greedy_equals_transformers_10_prompts_x_64_tokens_each_at_batch_1(models):
     """Every one of the 10 prompts at batch 1 too (~60 s)."""
     check_greedy(models, QUESTIONS, 64, batch_one=len(QUESTIONS))
+
+
+def test_prompt_logprobs_equal_transformers(models):
+    """Scoring prompts (what `echo` with `logprobs` serves): each token's log-probability and the top 5 equal
+    the log-softmax of transformers' logits, through prefill chunks of 16 tokens beside other requests."""
+    ours, tokenizer, theirs = models
+    prompts = [tokenizer.encode(q) for q in QUESTIONS[:4]]
+    llm = LLM(ours, tokenizer, config=EngineConfig(kv_cache_bytes=100_000_000, max_batched_tokens=16))
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=0, prompt_logprobs=5))
+    for prompt, output in zip(prompts, outputs):
+        assert output.output_ids == [] and output.finish_reason == "length"
+        with torch.no_grad():
+            expected = torch.log_softmax(theirs(input_ids=torch.tensor([prompt])).logits[0].float(), dim=-1)
+        for position, scored in enumerate(output.prompt_logprobs[1:]):
+            assert scored.token == prompt[position + 1]
+            assert scored.logprob == pytest.approx(float(expected[position, scored.token]), abs=1e-3)
+            top = expected[position].topk(5)
+            assert [value for _, value in scored.top] == pytest.approx(top.values.tolist(), abs=1e-3)
+    llm.engine.check()

@@ -143,3 +143,39 @@ def test_bf16_weights_run_wide_steps_on_their_exact_fp32_copy():
     expected = greedy_reference(copy.deepcopy(model).float(), prompt, 8)
     assert always.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0].output_ids == expected
     assert Engine(tiny_model(dtype=torch.float32), config=config).wide_model is None  # fp32 needs no copy
+
+
+def test_prompt_logprobs_equal_the_training_paths_through_chunks_cache_and_preemption():
+    """Each prompt token's log-probability (and the top 3) as one forward pass of the training path gives them
+    (an fp64 model, scored in fp32 as the sampler's logprobs are): across prefill chunks of 5 tokens, for a prompt whose blocks the prefix cache already holds, and
+    for requests preempted and recomputed in a pool too small for all of them at once."""
+    from tests.serve.tiny import block_bytes, tiny_model
+
+    model = tiny_model()
+    prompts = [[(7 * i + 3 * j) % 96 for j in range(11 + 6 * i)] for i in range(4)]
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            logprobs = torch.log_softmax(model(torch.tensor([prompt]))[0], dim=-1)
+            expected.append([(prompt[p + 1], float(logprobs[p, prompt[p + 1]]),
+                              list(zip(logprobs[p].topk(3).indices.tolist(), logprobs[p].topk(3).values.tolist())))
+                             for p in range(len(prompt) - 1)])
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, prompt_logprobs=3)
+
+    def check(outputs, wanted_each):
+        for output, wanted in zip(outputs, wanted_each):
+            assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(output.prompt_ids)
+            for got, (token, logprob, top) in zip(output.prompt_logprobs[1:], wanted):
+                assert got.token == token and got.logprob == pytest.approx(logprob, abs=1e-5)
+                assert [t for t, _ in got.top] == [t for t, _ in top]
+                assert [v for _, v in got.top] == pytest.approx([v for _, v in top], abs=1e-5)
+
+    roomy = LLM(model, config=EngineConfig(kv_cache_bytes=64 * block_bytes(), block_size=4, max_batched_tokens=5))
+    assert roomy.generate([prompts[3]])[0].prompt_logprobs is None  # not asked for
+    check(roomy.generate([prompts[3]], params), expected[3:])  # its blocks were in the prefix cache
+    assert roomy.generate([prompts[3]], SamplingParams(max_tokens=1))[0].cached_prompt_tokens == 28
+    tight = LLM(model, config=EngineConfig(kv_cache_bytes=16 * block_bytes(), block_size=4, max_batched_tokens=5))
+    check(tight.generate(prompts, params), expected)
+    assert tight.engine.scheduler.preemptions > 0
+    for llm in (roomy, tight):
+        llm.engine.check()

@@ -30,16 +30,25 @@ def reference(prompt: tuple[int, ...], new_tokens: int) -> list[int]:
     return greedy_reference(MODEL, list(prompt), new_tokens)
 
 
+@functools.cache
+def prompt_reference(prompt: tuple[int, ...]) -> list[float]:
+    """Each prompt token's log-probability after the first, from one pass of the training path."""
+    with torch.no_grad():
+        logprobs = torch.log_softmax(MODEL(torch.tensor([prompt]))[0], dim=-1)
+    return [float(logprobs[p, prompt[p + 1]]) for p in range(len(prompt) - 1)]
+
+
 def run(engine: Engine, arrivals: list[tuple[int, list[int], int, int | None]], stop_token_ids=(),
-        temperature: float = 0.0) -> tuple[dict, set]:
-    """Step the engine, adding and aborting requests on schedule (request i seeded with i); check the block
-    invariant every step."""
+        temperature: float = 0.0, scored: bool = False) -> tuple[dict, set]:
+    """Step the engine, adding and aborting requests on schedule (request i seeded with i; with `scored`, the
+    even ones also score their prompts); check the block invariant every step."""
     finished, aborted, step = {}, set(), 0
     while step < 1000 and (engine.has_work() or any(arrive >= step for arrive, *_ in arrivals)):
         for index, (arrive, prompt, max_tokens, abort_at) in enumerate(arrivals):
             if arrive == step:
-                engine.add_request(str(index), prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                                                      seed=index, stop_token_ids=stop_token_ids))
+                engine.add_request(str(index), prompt, SamplingParams(
+                    max_tokens=max_tokens, temperature=temperature, seed=index, stop_token_ids=stop_token_ids,
+                    prompt_logprobs=0 if scored and index % 2 == 0 else None))
             if abort_at == step and str(index) not in finished and arrive <= step:
                 engine.abort(str(index))
                 aborted.add(str(index))
@@ -62,9 +71,11 @@ request_strategy = st.tuples(
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=st.lists(request_strategy, min_size=1, max_size=6), block_size=st.sampled_from([2, 4, 8]),
        spare_blocks=st.integers(0, 12), budget=st.integers(1, 48), prefix_cache=st.booleans(),
-       seed=st.integers(0, 2**16))
+       scored=st.booleans(), seed=st.integers(0, 2**16))
 def test_every_request_finishes_or_aborts_with_batch_1_output_and_no_leak(requests, block_size, spare_blocks,
-                                                                          budget, prefix_cache, seed):
+                                                                          budget, prefix_cache, scored, seed):
+    """... and every prompt asked to be scored (`prompt_logprobs`) is scored as one pass of the training path
+    scores it, whatever its chunks, cached prefix or preemptions."""
     import random
 
     rng = random.Random(seed)
@@ -78,7 +89,7 @@ def test_every_request_finishes_or_aborts_with_batch_1_output_and_no_leak(reques
     engine = Engine(MODEL, config=EngineConfig(kv_cache_bytes=(largest + spare_blocks) * block_bytes(block_size),
                                                block_size=block_size, max_batched_tokens=budget,
                                                prefix_cache=prefix_cache))
-    finished, aborted = run(engine, arrivals)
+    finished, aborted = run(engine, arrivals, scored=scored)
     event(f"preempted: {engine.scheduler.preemptions > 0}")
     event(f"aborted: {bool(aborted)}")
     event(f"prefix hits: {bool(engine.scheduler.radix and engine.scheduler.radix.hit_tokens)}")
@@ -88,6 +99,9 @@ def test_every_request_finishes_or_aborts_with_batch_1_output_and_no_leak(reques
         if request_id in finished:
             assert finished[request_id].finish_reason == "length"
             assert finished[request_id].output_ids == reference(tuple(prompt), max_tokens)
+            if scored and index % 2 == 0:
+                got = [s.logprob for s in finished[request_id].prompt_logprobs[1:]]
+                assert got == pytest.approx(prompt_reference(tuple(prompt)), abs=1e-5)
     radix = engine.scheduler.radix
     assert engine.kv.num_used == (len(radix.blocks()) if radix else 0)
     if radix:

@@ -86,6 +86,9 @@ def test_errors_are_openai_shaped(client, server):
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, temperature=-1)
     assert bad.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=0)
+    assert bad.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError, match="context length"):
         client.completions.create(model="SmolLM2-135M-Instruct", prompt=[1] * 9000, max_tokens=1)
     response = httpx.post(server[0] + "/v1/completions", json={"model": "SmolLM2-135M-Instruct", "max_tokens": "many"})
@@ -169,12 +172,46 @@ def test_seeded_choices_are_each_reproducible_streamed_or_not(client):
     assert chunks[-1].usage.completion_tokens == several.usage.completion_tokens
 
 
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(client):
+    """lm-evaluation-harness's log-likelihood request (`echo`, `logprobs`, a batch of token-id prompts), and
+    `max_tokens: 0`: the prompt comes back first, its first token unscored, the rest scored as the engine's
+    prompt_logprobs (equal to transformers', tests/nn/test_llama_vs_hf.py); streamed equals not."""
+    def complete(prompt, **options):
+        return client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, temperature=0, echo=True,
+                                         **options)
+    prompt = "The three primary colours are"
+    plain = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=3, temperature=0,
+                                      logprobs=1)
+    scored = complete(prompt, max_tokens=3, logprobs=1).choices[0]
+    assert scored.text == prompt + plain.choices[0].text
+    tokens = scored.logprobs.tokens
+    assert "".join(tokens) == scored.text and len(tokens) == plain.usage.prompt_tokens + 3
+    assert scored.logprobs.token_logprobs[0] is None and scored.logprobs.top_logprobs[0] is None
+    # (the last bits may differ: `plain` found the prompt's blocks in the prefix cache, echo recomputes them)
+    assert scored.logprobs.token_logprobs[-3:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-4)
+    assert all(lp <= 0 for lp in scored.logprobs.token_logprobs[1:])
+    assert scored.logprobs.text_offset == [len("".join(tokens[:i])) for i in range(len(tokens))]
+
+    only = complete(prompt, max_tokens=0, logprobs=1)
+    assert only.choices[0].text == prompt and only.usage.completion_tokens == 0
+    assert only.choices[0].logprobs.token_logprobs == scored.logprobs.token_logprobs[:-3]
+    batch = complete([[504, 1296, 3003], [504, 2365]], max_tokens=1, logprobs=1)
+    assert [len(c.logprobs.tokens) for c in batch.choices] == [4, 3]
+    streamed = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=3, temperature=0,
+                                         echo=True, logprobs=1, stream=True)
+    pieces = [c.choices[0] for c in streamed]
+    assert "".join(c.text for c in pieces) == scored.text
+    assert sum((c.logprobs.token_logprobs for c in pieces if c.logprobs), []) == scored.logprobs.token_logprobs
+
+
 @pytest.mark.parametrize("body, param", [({"prompt": "hi", "n": 0}, "n"), ({"prompt": "hi", "n": 129}, "n"),
-                                         ({"prompt": []}, "prompt"),
+                                         ({"prompt": []}, "prompt"), ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+                                         ({"prompt": "hi", "max_tokens": 0, "echo": True}, "max_tokens"),
                                          ({"prompt": ["hi", "x " * 9000]}, "prompt tokens")])
 def test_a_bad_choice_refuses_the_whole_call(server, body, param):
     url, engine, _ = server
     response = httpx.post(url + "/v1/completions", json={"max_tokens": 2, **body})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
     assert response.status_code == 400 and response.json()["error"]["param"] == param
     stats = engine.check()
     assert stats.idle and stats.kv_blocks_used == stats.prefix_cache_blocks

@@ -46,7 +46,7 @@ from mlsyslab.nn.tokenizer import Tokenizer
 from mlsyslab.serve.kv_cache import KVCache
 from mlsyslab.serve.output import Delta, OutputTracker, RequestOutput
 from mlsyslab.serve.request import Request
-from mlsyslab.serve.sampling import Sampled, SamplerInput, SamplingParams, picked_in_step, sample
+from mlsyslab.serve.sampling import Sampled, SamplerInput, SamplingParams, picked_in_step, sample, score
 from mlsyslab.serve.scheduler import Scheduled, Scheduler
 
 
@@ -155,7 +155,8 @@ class Engine:
             raise InvalidValue("stop", params.stop, "none (this engine has no tokenizer to match text)")
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.seed_source))
         request = Request(request_id, list(prompt_ids), params, next(self.arrivals),
-                          generator=torch.Generator().manual_seed(seed))
+                          generator=torch.Generator().manual_seed(seed),
+                          prompt_logprobs=None if params.prompt_logprobs is None else [None])
         self.scheduler.add(request)
         self.trackers[request_id] = OutputTracker(request, self.tokenizer, self.eos_token_ids, max_seq)
         return request
@@ -199,8 +200,10 @@ class Engine:
         return self.deliver(sampling, drawn)
 
     def one_step(self, batch: list[Scheduled], sampling: list[Request]) -> list[Sampled]:
-        """One model step over the batch's tokens packed in a row; the sampling requests' next tokens."""
-        ids, positions, slices, rows = [], [], [], []
+        """One model step over the batch's tokens packed in a row; the sampling requests' next tokens. Rows of
+        prompt positions whose request asked for the prompt's log-probabilities also get their logits
+        (`score_prompts`)."""
+        ids, positions, slices, rows, prompt_rows, scored = [], [], [], [], [], []
         for item in batch:
             request, start = item.request, item.request.num_computed
             ids += request.all_ids[start:start + item.num_tokens]
@@ -208,20 +211,39 @@ class Engine:
             slices.append(SequenceSlice(item.num_tokens, start + item.num_tokens, request.blocks))
             if item.samples:
                 rows.append(len(ids) - 1)
+            if request.prompt_scored_to is not None:  # position p's row is first_row + p
+                first_row = len(ids) - item.num_tokens - start
+                chunk = range(max(request.prompt_scored_to, start), min(start + item.num_tokens, len(request.prompt_ids) - 1))
+                prompt_rows += [first_row + p for p in chunk]
+                scored.append((request, chunk))
         device = self.kv.k.device
         attention = PagedAttention(self.kv.k, self.kv.v, slices)
         model = self.model_for(len(ids))
-        fused = model is self.model and self.fused_decode is not None and not attention.prefills and attention.in_place
+        fused = (model is self.model and self.fused_decode is not None and not attention.prefills and attention.in_place
+                 and not prompt_rows)
         inputs = (torch.tensor(ids, device=device), torch.tensor(positions, device=device), attention,
-                  torch.tensor(rows, dtype=torch.long, device=device))
+                  torch.tensor(rows + prompt_rows, dtype=torch.long, device=device))
         start_s = time.perf_counter()
         logits, argmax = self.fused_decode(*inputs) if fused else (model.forward_packed(*inputs), None)
         if fused:
             self.decode_step_s[len(batch)] = time.perf_counter() - start_s
+        if prompt_rows:
+            self.score_prompts(logits[len(rows):], scored)
         self.count(batch, 1)
         self.scheduler.after_step(batch)
-        return sample(logits, [SamplerInput(r.params, r.prompt_ids, r.output_ids, r.generator) for r in sampling],
-                      argmax)
+        return sample(logits[:len(rows)], [SamplerInput(r.params, r.prompt_ids, r.output_ids, r.generator)
+                                           for r in sampling], argmax)
+
+    @staticmethod
+    def score_prompts(logits: torch.Tensor, scored: list[tuple[Request, range]]) -> None:
+        """Each request's scored positions, in order: position p's log-probability of prompt token p + 1 (and the
+        most likely, `prompt_logprobs` of them) under the model's raw distribution, appended to the request."""
+        start = 0
+        for request, chunk in scored:
+            tokens = [request.prompt_ids[p + 1] for p in chunk]
+            request.prompt_logprobs += score(logits[start:start + len(tokens)], tokens,
+                                             [request.params.prompt_logprobs] * len(tokens))
+            start += len(tokens)
 
     def steps_ahead(self, batch: list[Scheduled]) -> int:
         """How many decode steps the batch runs in one call: multi-step decoding (vLLM's `--num-scheduler-steps`),

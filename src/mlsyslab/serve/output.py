@@ -25,6 +25,7 @@ class Delta:
     text: str = ""
     logprobs: list[Sampled] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[Sampled | None] | None = None  # on a request's first delta, when asked for
 
     @property
     def finished(self) -> bool:
@@ -33,7 +34,7 @@ class Delta:
     def then(self, later: "Delta") -> "Delta":
         """This delta and a later one of the same request as one (the tokens of a multi-step decode)."""
         return Delta(self.request_id, self.token_ids + later.token_ids, self.text + later.text,
-                     self.logprobs + later.logprobs, later.finish_reason)
+                     self.logprobs + later.logprobs, later.finish_reason, self.prompt_logprobs)
 
 
 @dataclass
@@ -46,6 +47,7 @@ class RequestOutput:
     text: str
     finish_reason: str
     logprobs: list[Sampled] | None
+    prompt_logprobs: list[Sampled | None] | None  # None for the first prompt token, then one per token
     cached_prompt_tokens: int
     ttft_s: float | None
     latency_s: float
@@ -70,6 +72,8 @@ class OutputTracker:
     def add(self, sampled: Sampled) -> tuple[Delta, str | None]:
         """Append one sampled token; returns the delta to deliver and the finish reason (None: go on)."""
         request, token = self.request, sampled.token
+        if request.params.max_tokens == 0:  # only the prompt was to be scored: its first sample is dropped
+            return Delta(request.request_id, [], "", [], "length", request.prompt_logprobs), "length"
         request.output_ids.append(token)
         if request.params.logprobs is not None:
             self.logprobs.append(sampled)
@@ -83,7 +87,8 @@ class OutputTracker:
             reason = "length"
         end = len(self.text) if reason else max(self.sent, len(self.text) - self.holdback)
         delta = Delta(request.request_id, [token], self.text[self.sent:end],
-                      [sampled] if request.params.logprobs is not None else [], reason)
+                      [sampled] if request.params.logprobs is not None else [], reason,
+                      request.prompt_logprobs if len(request.output_ids) == 1 else None)
         self.sent = end
         return delta, reason
 
@@ -104,6 +109,7 @@ class OutputTracker:
             request_id=request.request_id, prompt_ids=request.prompt_ids, output_ids=list(request.output_ids),
             text=self.text, finish_reason=finish_reason,
             logprobs=self.logprobs if request.params.logprobs is not None else None,
+            prompt_logprobs=request.prompt_logprobs,
             cached_prompt_tokens=request.cached_prompt_tokens,
             ttft_s=None if request.first_token_s is None else request.first_token_s - request.arrival_s,
             latency_s=now_s - request.arrival_s, preemptions=request.preemptions)

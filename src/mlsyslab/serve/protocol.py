@@ -1,7 +1,7 @@
 """The OpenAI API's request and response shapes, and their translation to and from the engine's.
 
 Requests are pydantic models that accept the fields the official `openai` client sends (unknown
-ones are ignored, as OpenAI-compatible servers do); fields we cannot honour (echo, best_of, suffix,
+ones are ignored, as OpenAI-compatible servers do); fields we cannot honour (best_of, suffix,
 logit_bias, tools, tool_choice, functions, a response_format other than text: constrained decoding is not
 built) are rejected with a 400 that names them rather than silently ignored. Extensions
 shared with vLLM: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids.
@@ -11,6 +11,11 @@ token-id lists). Each choice is one engine request; prompt i's choice j has inde
 seed it samples with seed + j (as vLLM's parallel sampling does), so the choices differ and each is
 reproducible alone. The prefix cache shares a prompt's blocks between its choices once the first has
 prefilled them. Usage counts each prompt once and every choice's completion.
+
+`echo` (completions) puts the prompt before each completion; with `logprobs` every prompt token after the
+first is scored too (the engine's `prompt_logprobs`), and `max_tokens: 0` scores the prompt without
+generating — the way evaluation harnesses (lm-evaluation-harness's `local-completions`) ask a served model
+for log-likelihoods.
 """
 
 from __future__ import annotations
@@ -55,15 +60,16 @@ class CommonRequest(BaseModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
 
-    def choices(self, prompts: list[list[int]], max_tokens: int, logprobs: int | None) -> list[Choice]:
+    def choices(self, prompts: list[list[int]], max_tokens: int, logprobs: int | None,
+                prompt_logprobs: int | None = None) -> list[Choice]:
         """Every prompt's n choices in index order (prompt i's choice j at i·n + j; with a seed, seed + j)."""
         if not 1 <= self.n <= MAX_CHOICES:
             raise InvalidValue("n", self.n, f"an integer in 1..{MAX_CHOICES}")
-        params = self.sampling_params(max_tokens, logprobs)
+        params = self.sampling_params(max_tokens, logprobs, prompt_logprobs)
         each = [params if params.seed is None else replace(params, seed=params.seed + j) for j in range(self.n)]
         return [(prompt, choice) for prompt in prompts for choice in each]
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         if self.logit_bias:
             raise InvalidValue("logit_bias", "...", "null (not supported)")
         options = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
@@ -71,7 +77,7 @@ class CommonRequest(BaseModel):
                    if getattr(self, name) is not None}
         return SamplingParams(max_tokens=max_tokens, seed=self.seed, stop=tuple(as_list(self.stop)),
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                              logprobs=logprobs, **options)
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, **options)
 
 
 class CompletionRequest(CommonRequest):
@@ -82,13 +88,15 @@ class CompletionRequest(CommonRequest):
     suffix: str | None = None
 
     def to_engine(self, tokenizer: Tokenizer, max_seq: int, capacity: int) -> list[Choice]:
-        """The call's choices; max_tokens defaults to 16 as in OpenAI's legacy API."""
-        return self.choices(self.prompt_ids(tokenizer), self.max_tokens or 16, self.logprobs)
+        """The call's choices; max_tokens defaults to 16 as in OpenAI's legacy API (0: echo's scoring only)."""
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        if max_tokens == 0 and not (self.echo and self.logprobs is not None):
+            raise InvalidValue("max_tokens", 0, "an integer >= 1 (0 only with echo and logprobs: score the prompt)")
+        return self.choices(self.prompt_ids(tokenizer), max_tokens, self.logprobs,
+                            self.logprobs if self.echo else None)
 
     def prompt_ids(self, tokenizer: Tokenizer) -> list[list[int]]:
         """Each prompt's token ids: one string or id list, or a list of them."""
-        if self.echo:
-            raise InvalidValue("echo", True, "false (not supported)")
         if self.best_of not in (None, 1):
             raise InvalidValue("best_of", self.best_of, "1")
         if self.suffix:
@@ -116,7 +124,8 @@ class ChatRequest(CommonRequest):
         prompt_ids = self.prompt_ids(tokenizer)
         if len(prompt_ids) >= max_seq:
             raise InvalidValue("messages", f"{len(prompt_ids)} tokens", f"< the context length {max_seq}")
-        wanted = self.max_completion_tokens or self.max_tokens or min(max_seq, capacity) - len(prompt_ids)
+        wanted = next((limit for limit in (self.max_completion_tokens, self.max_tokens) if limit is not None),
+                      min(max_seq, capacity) - len(prompt_ids))
         top = self.top_logprobs or 0
         if top and not self.logprobs:
             raise InvalidValue("top_logprobs", top, "null unless logprobs is true")
@@ -164,15 +173,24 @@ def usage(outputs: list[RequestOutput], n: int) -> dict:
 
 
 def completion_logprobs(tokenizer: Tokenizer, sampled: list[Sampled], text_offset: int = 0) -> dict:
-    """The legacy completions `logprobs` object: tokens, token_logprobs, top_logprobs, text_offset."""
+    """The legacy completions `logprobs` object: tokens, token_logprobs, top_logprobs, text_offset (an echoed
+    prompt's first token has no log-probability: null, as OpenAI gives it)."""
     tokens = [tokenizer.token_text(s.token) for s in sampled]
     offsets, position = [], text_offset
     for token in tokens:
         offsets.append(position)
         position += len(token)
     return {"tokens": tokens, "token_logprobs": [s.logprob for s in sampled],
-            "top_logprobs": [{tokenizer.token_text(t): lp for t, lp in s.top} for s in sampled],
+            "top_logprobs": [None if s.top is None else {tokenizer.token_text(t): lp for t, lp in s.top}
+                             for s in sampled],
             "text_offset": offsets}
+
+
+def echoed(prompt_ids: list[int], prompt_logprobs: list[Sampled | None] | None) -> list[Sampled]:
+    """An echoed prompt's tokens as `Sampled` rows: the first unscored, the rest as the engine scored them."""
+    if prompt_logprobs is None:
+        return [Sampled(token) for token in prompt_ids]
+    return [Sampled(prompt_ids[0])] + prompt_logprobs[1:]
 
 
 def chat_logprobs(tokenizer: Tokenizer, sampled: list[Sampled]) -> dict:

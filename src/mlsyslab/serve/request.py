@@ -39,6 +39,7 @@ class Request:
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     generator: torch.Generator | None = None
+    prompt_logprobs: list | None = None  # when asked: [None, then a `Sampled` per prompt token scored so far]
 
     @property
     def all_ids(self) -> list[int]:
@@ -52,6 +53,14 @@ class Request:
     def remaining(self) -> int:
         """Tokens still to run through the model before the next token can be sampled."""
         return self.num_tokens - self.num_computed
+
+    @property
+    def prompt_scored_to(self) -> int | None:
+        """The first position whose logits still score a prompt token (position p scores token p + 1); None
+        if none does: the prompt's log-probabilities were not asked for, or are all known."""
+        if self.prompt_logprobs is None or len(self.prompt_logprobs) >= len(self.prompt_ids):
+            return None
+        return len(self.prompt_logprobs) - 1
 
     @property
     def finished(self) -> bool:

@@ -46,13 +46,16 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; n >= 0: the sampled token's and the n most likely
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (vLLM's prompt_logprobs)
     skip_special_tokens: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         check = [
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
+            ("max_tokens", isinstance(self.max_tokens, int) and (self.max_tokens >= 1 or self.max_tokens == 0
+                                                                 and self.prompt_logprobs is not None),
+             "an integer >= 1 (0 only with prompt_logprobs: score the prompt, generate nothing)"),
             ("temperature", finite(self.temperature) and self.temperature >= 0, ">= 0 (0: greedy)"),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= -1, "an integer >= 0 (0 or -1: off)"),
             ("top_p", finite(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
@@ -63,9 +66,9 @@ class SamplingParams:
             ("seed", self.seed is None or isinstance(self.seed, int), "an integer or null"),
             ("stop", all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16, "up to 16 non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "token ids >= 0"),
-            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
-             f"null or an integer in 0..{MAX_TOP_LOGPROBS}"),
-        ]
+        ] + [(name, getattr(self, name) is None or (isinstance(getattr(self, name), int)
+                                                    and 0 <= getattr(self, name) <= MAX_TOP_LOGPROBS),
+              f"null or an integer in 0..{MAX_TOP_LOGPROBS}") for name in ("logprobs", "prompt_logprobs")]
         for name, ok, valid in check:
             if not ok:
                 raise InvalidValue(name, getattr(self, name), valid)
@@ -113,16 +116,25 @@ def sample(logits: torch.Tensor, rows: list[SamplerInput], argmax: torch.Tensor 
     results = [Sampled(token) for token in tokens.tolist()]
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if wanted:
-        logprobs = torch.log_softmax(logits[wanted].float(), dim=-1)
-        for j, i in enumerate(wanted):
-            results[i].logprob = float(logprobs[j, results[i].token])
-            count = rows[i].params.logprobs
-            if count:
-                values, ids = logprobs[j].topk(count)
-                results[i].top = [(int(t), float(v)) for t, v in zip(ids, values)]
-            else:
-                results[i].top = []
+        scored = score(logits[wanted], [results[i].token for i in wanted], [rows[i].params.logprobs for i in wanted])
+        for i, row in zip(wanted, scored):
+            results[i] = row
     return results
+
+
+def score(logits: torch.Tensor, tokens: list[int], counts: list[int], rows_at_once: int = 256) -> list[Sampled]:
+    """Each row's token with its log-probability under the row's raw distribution (log-softmax of the logits)
+    and the row's `count` most likely [(id, logprob)]; `rows_at_once` rows at a time, so that scoring a prompt
+    chunk's thousands of rows never holds more than one slice's fp32 copy."""
+    scored = []
+    for start in range(0, len(tokens), rows_at_once):
+        logprobs = torch.log_softmax(logits[start:start + rows_at_once].float(), dim=-1)
+        chosen = logprobs.gather(1, torch.tensor(tokens[start:start + rows_at_once])[:, None])[:, 0].tolist()
+        wanted = counts[start:start + rows_at_once]
+        values, ids = logprobs.topk(max(wanted), dim=-1) if max(wanted) else (logprobs[:, :0], logprobs[:, :0])
+        for j, (token, logprob, count) in enumerate(zip(tokens[start:start + rows_at_once], chosen, wanted)):
+            scored.append(Sampled(token, logprob, list(zip(ids[j, :count].tolist(), values[j, :count].tolist()))))
+    return scored
 
 
 def pick(logits: torch.Tensor, rows: list[SamplerInput], greedy: list[int], sampled: list[int],

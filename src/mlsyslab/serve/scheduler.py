@@ -130,10 +130,15 @@ class Scheduler:
         return batch
 
     def reuse_prefix(self, request: Request) -> None:
-        """Start a request from the longest cached prefix of its tokens (at least one token left to compute)."""
+        """Start a request from the longest cached prefix of its tokens (at least one token left to compute),
+        up to the first position whose logits must still score a prompt token (vLLM likewise skips the cache
+        for prompt log-probabilities: cached positions have no logits)."""
         if self.radix is None or request.blocks:
             return
-        blocks = self.radix.match(request.all_ids[:request.num_tokens - 1])
+        limit = request.num_tokens - 1
+        if request.prompt_scored_to is not None:
+            limit = min(limit, request.prompt_scored_to)
+        blocks = self.radix.match(request.all_ids[:limit])
         self.kv.share(blocks)
         request.blocks = blocks
         request.num_computed = len(blocks) * self.kv.block_size

@@ -34,6 +34,7 @@ from mlsyslab.serve.protocol import (
     CompletionRequest,
     chat_logprobs,
     completion_logprobs,
+    echoed,
     envelope,
     new_id,
     usage,
@@ -92,7 +93,7 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
         """Check the model name, translate the body, and queue its choices, all or none."""
         check_model(body.model, model_name)
         choices = body.to_engine(tokenizer, max_seq, capacity)
-        call = Call(new_id(prefix), int(time.time()), body.n, len(choices), choices[0][1])
+        call = Call(new_id(prefix), int(time.time()), body.n, [prompt_ids for prompt_ids, _ in choices], choices[0][1])
         requests = [(call.engine_id(index), prompt_ids, params) for index, (prompt_ids, params) in enumerate(choices)]
         call.stream = await engine.submit(requests)
         return call
@@ -102,7 +103,7 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
         usage last if asked; then [DONE]."""
         if first is not None:
             yield sse(envelope(kind, call.request_id, model_name, call.created,
-                               [{"index": index, **first} for index in range(call.choices)]))
+                               [{"index": index, **first} for index in range(len(call.prompts))]))
         async for item in call.stream:
             index = call.index(item.request_id)
             if isinstance(item, RequestOutput):
@@ -123,27 +124,38 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
             return error_response(503, str(error), "server_error")
         if body.stream:
             return StreamingResponse(events(call, body, kind + ".chunk" if first else kind,
-                                            lambda delta, index: render_delta(delta, index, call.params), first),
+                                            lambda delta, index: render_delta(delta, index, call), first),
                                      media_type="text/event-stream")
         if not await collect(call, http):
             return Response(status_code=499)  # the client left; its requests were aborted
-        choices = [{"index": index, **render_output(output, call.params)} for index, output in sorted(call.outputs.items())]
+        choices = [{"index": index, **render_output(output, call)} for index, output in sorted(call.outputs.items())]
         return {**envelope(kind, call.request_id, model_name, call.created, choices), "usage": call.usage()}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
         offsets: dict[int, int] = {}  # each choice's characters sent so far
 
-        def render_delta(delta, index, params):
+        def render_delta(delta, index, call):
             choices = []
+            text, sampled = delta.text, delta.logprobs
+            if body.echo and index not in offsets:  # a choice's first delta carries its prompt first
+                text, sampled = echo(call.prompts[index], delta.prompt_logprobs, text, sampled)
             offset = offsets.get(index, 0)
-            if delta.text or delta.logprobs or delta.finish_reason:
-                choices.append(completion_choice(delta.text, delta.finish_reason, delta.logprobs, offset, params))
-            offsets[index] = offset + len(delta.text)
+            if text or sampled or delta.finish_reason:
+                choices.append(completion_choice(text, delta.finish_reason, sampled, offset, call.params))
+            offsets[index] = offset + len(text)
             return choices
 
-        def render_output(output, params):
-            return completion_choice(output.text, output.finish_reason, output.logprobs or [], 0, params)
+        def render_output(output, call):
+            text, sampled = output.text, output.logprobs or []
+            if body.echo:
+                text, sampled = echo(output.prompt_ids, output.prompt_logprobs, text, sampled)
+            return completion_choice(text, output.finish_reason, sampled, 0, call.params)
+
+        def echo(prompt_ids, prompt_logprobs, text, sampled):
+            """The prompt before the completion, and its scored tokens before the completion's."""
+            return (tokenizer.decode(prompt_ids, skip_special_tokens=False) + text,
+                    echoed(prompt_ids, prompt_logprobs) + sampled)
 
         def completion_choice(text, reason, sampled, text_offset, params):
             logprobs = completion_logprobs(tokenizer, sampled, text_offset) if params.logprobs is not None else None
@@ -153,21 +165,21 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: Request):
-        def logprobs_of(sampled, params):
-            return chat_logprobs(tokenizer, sampled) if params.logprobs is not None else None
+        def logprobs_of(sampled, call):
+            return chat_logprobs(tokenizer, sampled) if call.params.logprobs is not None else None
 
-        def render_delta(delta, index, params):
+        def render_delta(delta, index, call):
             choices = []
             if delta.text or delta.logprobs:
-                choices.append({"delta": {"content": delta.text}, "logprobs": logprobs_of(delta.logprobs, params),
+                choices.append({"delta": {"content": delta.text}, "logprobs": logprobs_of(delta.logprobs, call),
                                 "finish_reason": None})
             if delta.finish_reason:
                 choices.append({"delta": {}, "logprobs": None, "finish_reason": delta.finish_reason})
             return choices
 
-        def render_output(output, params):
+        def render_output(output, call):
             return {"message": {"role": "assistant", "content": output.text},
-                    "logprobs": logprobs_of(output.logprobs or [], params), "finish_reason": output.finish_reason}
+                    "logprobs": logprobs_of(output.logprobs or [], call), "finish_reason": output.finish_reason}
 
         first = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return await respond(body, http, "chatcmpl", "chat.completion", render_delta, render_output, first)
@@ -177,14 +189,14 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
 
 @dataclass
 class Call:
-    """One API call: its id and creation time, n choices a prompt, how many choices in all and their shared
+    """One API call: its id and creation time, n choices a prompt, each choice's prompt and their shared
     params, their merged engine stream (engine request `{request_id}-{index}` is choice `index`), and the
     outputs as they end."""
 
     request_id: str
     created: int
     n: int
-    choices: int
+    prompts: list[list[int]]
     params: SamplingParams
     stream: AsyncIterator | None = None
     outputs: dict[int, RequestOutput] = field(default_factory=dict)
