@@ -98,6 +98,19 @@ def test_penalties():
     assert result.token == 2  # 2.0 - 0.5 - 2·0.3 = 0.9 < 1.0
 
 
+def test_logit_bias_is_added_to_the_raw_logits_before_penalties_and_sampling():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.0]])
+    params = SamplingParams(temperature=0, logit_bias={3: 2.5}, logprobs=0)
+    (result,) = sample(logits, [SamplerInput(params, [], [], torch.Generator())])
+    assert result.token == 3 and params.logit_bias == ((3, 2.5),)
+    assert result.logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[3]))  # raw distribution
+    assert frequencies(logits, 500, temperature=1.0, logit_bias={0: -100, 2: -100})[[0, 2]].sum() == 0
+    # the bias comes first: 0.0 + 2.5 = 2.5 is then divided by the repetition penalty (token 3 is in the prompt)
+    params = SamplingParams(temperature=0, logit_bias={3: 2.5}, repetition_penalty=2.0)
+    (result,) = sample(logits, [SamplerInput(params, [3], [], torch.Generator())])
+    assert result.token == 0  # 2.5 / 2 = 1.25 < 2.0
+
+
 def test_same_seed_same_tokens_at_any_batch_composition():
     model = tiny_model()
     llm = LLM(model, config=EngineConfig(kv_cache_bytes=200 * block_bytes(16)))
@@ -127,7 +140,8 @@ def test_logprobs_and_top_logprobs():
 
 @pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -2), ("min_p", 1.5),
                                           ("max_tokens", 0), ("logprobs", 21), ("presence_penalty", 3.0),
-                                          ("temperature", math.nan), ("stop", [""])])
+                                          ("temperature", math.nan), ("stop", [""]), ("logit_bias", {5: 101}),
+                                          ("logit_bias", {-1: 1.0})])
 def test_invalid_parameters_name_the_field(field, value):
     with pytest.raises(InvalidValue, match=field):
         SamplingParams(**{field: value})

@@ -70,6 +70,21 @@ def test_seeded_sampling_is_reproducible(client):
     assert ask() == ask()
 
 
+def test_logit_bias_bans_and_forces_tokens(client, server):
+    tokenizer = server[2]
+    paris = tokenizer.encode(" Paris")
+    assert len(paris) == 1
+
+    def answer(bias):
+        return client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=12,
+                                              temperature=0, logit_bias=bias).choices[0].message.content
+    assert "Paris" not in answer({str(paris[0]): -100})
+    assert answer({str(paris[0]): 100}) == " Paris" * 12
+    for bias in ({"Paris": 1}, {str(paris[0]): 101}, {"999999": 1}):
+        with pytest.raises(openai.BadRequestError, match="logit_bias"):
+            answer(bias)
+
+
 def test_models_health_metrics(client, server):
     assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
     assert httpx.get(server[0] + "/health").json() == {"status": "ok"}

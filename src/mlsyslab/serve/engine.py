@@ -151,6 +151,8 @@ class Engine:
             raise InvalidValue("prompt tokens", len(prompt_ids), f"< the context length {max_seq}")
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidValue("prompt token id", max(prompt_ids), f"0..{vocab - 1}")
+        if params.logit_bias and max(token for token, _ in params.logit_bias) >= vocab:
+            raise InvalidValue("logit_bias token id", max(token for token, _ in params.logit_bias), f"0..{vocab - 1}")
         if params.stop and self.tokenizer is None:
             raise InvalidValue("stop", params.stop, "none (this engine has no tokenizer to match text)")
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.seed_source))

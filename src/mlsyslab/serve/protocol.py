@@ -2,7 +2,7 @@
 
 Requests are pydantic models that accept the fields the official `openai` client sends (unknown
 ones are ignored, as OpenAI-compatible servers do); fields we cannot honour (best_of, suffix,
-logit_bias, tools, tool_choice, functions, a response_format other than text: constrained decoding is not
+tools, tool_choice, functions, a response_format other than text: constrained decoding is not
 built) are rejected with a 400 that names them rather than silently ignored. Extensions
 shared with vLLM: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids.
 
@@ -70,14 +70,21 @@ class CommonRequest(BaseModel):
         return [(prompt, choice) for prompt in prompts for choice in each]
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-        if self.logit_bias:
-            raise InvalidValue("logit_bias", "...", "null (not supported)")
         options = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                                                           "frequency_penalty", "repetition_penalty")
                    if getattr(self, name) is not None}
-        return SamplingParams(max_tokens=max_tokens, seed=self.seed, stop=tuple(as_list(self.stop)),
-                              stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, **options)
+        return SamplingParams(max_tokens=max_tokens, seed=self.seed, logit_bias=self.bias(),
+                              stop=tuple(as_list(self.stop)), stop_token_ids=tuple(self.stop_token_ids or ()),
+                              ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **options)
+
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias's {"token id": bias} as (id, bias) pairs."""
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise InvalidValue("logit_bias", key, "token ids as strings of digits, each with a bias in [-100, 100]")
+            pairs.append((int(key), value))
+        return tuple(pairs)
 
 
 class CompletionRequest(CommonRequest):

@@ -1,8 +1,8 @@
 """Sampling: from a step's logits to one token per sequence, with every OpenAI / vLLM option.
 
-Order of operations (as vLLM and HF apply them): penalties on the raw logits — repetition
-(Keskar et al. 2019, CTRL: divide a positive logit, multiply a negative one, for every token in the
-prompt or output), then presence and frequency (OpenAI: subtract `presence` once and
+Order of operations (as vLLM and HF apply them): OpenAI's logit_bias added to the raw logits; then the
+penalties — repetition (Keskar et al. 2019, CTRL: divide a positive logit, multiply a negative one, for
+every token in the prompt or output), then presence and frequency (OpenAI: subtract `presence` once and
 `frequency · count` for tokens already generated); then temperature (0 means greedy: argmax);
 then the filters on the probabilities — top-k, top-p (nucleus, Holtzman et al. 2020: the smallest
 set whose mass reaches p), min-p (Nguyen et al. 2024: drop tokens below min_p · the top
@@ -12,7 +12,7 @@ Reproducibility: each request owns a `torch.Generator` seeded from its `seed`, a
 uniform per generated token from it, whatever else is in the batch; every other operation is
 row-wise. So the same seed gives the same tokens at any batch composition — up to the last-bit
 differences a different batch size can make in the logits themselves. Log-probabilities are those
-of the model's raw distribution (log-softmax of the logits before penalties and temperature), as
+of the model's raw distribution (log-softmax of the logits before bias, penalties and temperature), as
 vLLM reports by default. Tested in tests/serve/test_sampling.py.
 """
 
@@ -41,6 +41,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs, OpenAI's logit_bias
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -52,6 +53,7 @@ class SamplingParams:
     def __post_init__(self):
         object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "logit_bias", tuple((token, bias) for token, bias in dict(self.logit_bias).items()))
         check = [
             ("max_tokens", isinstance(self.max_tokens, int) and (self.max_tokens >= 1 or self.max_tokens == 0
                                                                  and self.prompt_logprobs is not None),
@@ -63,6 +65,8 @@ class SamplingParams:
             ("repetition_penalty", finite(self.repetition_penalty) and self.repetition_penalty > 0, "> 0 (1: off)"),
             ("presence_penalty", finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
             ("frequency_penalty", finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            ("logit_bias", all(isinstance(t, int) and t >= 0 and finite(b) and -100 <= b <= 100 for t, b in self.logit_bias),
+             "token ids >= 0, each with a bias in [-100, 100]"),
             ("seed", self.seed is None or isinstance(self.seed, int), "an integer or null"),
             ("stop", all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16, "up to 16 non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "token ids >= 0"),
@@ -165,12 +169,17 @@ def picked_in_step(params: SamplingParams) -> bool:
 
 
 def penalised(params: SamplingParams) -> bool:
-    return params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0
+    """Whether a row's logits change before temperature: a logit bias or a penalty."""
+    return (bool(params.logit_bias) or params.repetition_penalty != 1 or params.presence_penalty != 0
+            or params.frequency_penalty != 0)
 
 
 def apply_penalties(logits: torch.Tensor, row: SamplerInput) -> None:
-    """In place on one row of logits."""
+    """In place on one row of logits: the logit bias, then the penalties."""
     params = row.params
+    if params.logit_bias:
+        ids, biases = zip(*params.logit_bias)
+        logits[list(ids)] += torch.tensor(biases, dtype=logits.dtype)
     if params.repetition_penalty != 1:
         seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long)
         if len(seen):
