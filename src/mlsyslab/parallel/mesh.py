@@ -17,8 +17,10 @@ since an expert's gradient already sums the tokens every rank of its EP group se
 Under CP an MoE layer routes each rank's share of the sequence on its own (expert capacity and the
 load-balancing loss over those tokens, as under DP), and an expert's gradient is summed over the CP
 ranks, which hold the same experts.
+CP composes with DP and TP (each TP rank's ring carries its own heads' K/V; the vocabulary-parallel loss takes the
+rank's share of the targets), not yet with PP.
 Held against the single-process model in tests/parallel/test_mesh.py (DP2 × PP2 × TP2 on 8 ranks,
-DP2 × CP2 on 4, an MoE model on DP4 with EP2, on DP2 with EP2, on CP2, on DP2 (EP2) × CP2, on PP2,
+DP2 × CP2 and CP2 × TP2 on 4, an MoE model on DP4 with EP2, on DP2 with EP2, on CP2, on DP2 (EP2) × CP2, on PP2,
 on DP2 (EP2) × PP2 and on DP2 (EP2) × TP2).
 `mlsys train --tp/--pp/--cp/--dp/--ep` runs it (train.trainer.train_on_mesh); given `logs` (a CommLog
 per dimension), every byte each dimension sends is counted there. Under PP each stage adds its MoE
@@ -35,7 +37,6 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from mlsyslab.comm.launch import Rank
@@ -78,8 +79,8 @@ class MeshLayout:
                                            ("cp", 2 * self.cp, seq, "sequence (zig-zag: 2·cp chunks)")):
             if divides % value:
                 raise InvalidValue(name, getattr(self, name), f"a divisor of the {divides} {what}")
-        if self.cp > 1 and (self.tp > 1 or self.pp > 1):
-            raise InvalidValue("cp", self.cp, "1 when tp or pp > 1 (this composition runs CP with DP only)")
+        if self.cp > 1 and self.pp > 1:
+            raise InvalidValue("cp", self.cp, "1 when pp > 1 (this composition runs CP with DP and TP only)")
         if self.ep > 1 and not model_config.experts:
             raise InvalidValue("ep", self.ep, "1 for a dense model (no expert layers to split)")
         for name, value, divides, what in (("ep", self.ep, self.dp, "data-parallel ranks (EP splits DP)"),
@@ -205,19 +206,17 @@ def _microbatch_loss(model: Llama, mesh: MeshRanks, x: torch.Tensor, y: torch.Te
                      logs: dict) -> torch.Tensor:
     """The forward of `_microbatch_backward`: the microbatch's share of the loss."""
     layout = mesh.layout
-    if layout.cp > 1:
+    if layout.cp > 1:  # this rank's zig-zag share of each sequence (equal shares: its mean over cp is the mean)
         positions = zigzag_indices(x.shape[1], layout.cp, mesh.cp.rank)
         wire = Wire(mesh.cp, logs.get("context_parallel"))
         hidden = model.hidden_states(x[:, positions], positions.expand(x.shape[0], -1),
                                      lambda layer, q, k, v: ring_attention(wire, q, k, v))
-        logits = model.lm_head(hidden)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[:, positions].reshape(-1),
-                               reduction="sum") / y.numel()
+        logits, y = model.lm_head(hidden), y[:, positions]
     else:
         logits = model(x)
-        loss = vocab_parallel_cross_entropy(logits, y, TensorGroup(mesh.tp, logs.get("tensor_parallel"))) \
-            if layout.tp > 1 else mean_cross_entropy(logits, y)
+    loss = vocab_parallel_cross_entropy(logits, y, TensorGroup(mesh.tp, logs.get("tensor_parallel"))) \
+        if layout.tp > 1 else mean_cross_entropy(logits, y)
+    loss = loss / layout.cp
     balance = load_balancing_loss(model)  # over this rank's tokens: under CP the CP ranks' mean joins the loss
     if balance is not None:
         loss = loss + AUX_LOSS_WEIGHT * balance / layout.cp
