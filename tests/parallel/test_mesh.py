@@ -1,6 +1,6 @@
-"""Parallelisms composed on a mesh: the first 10 losses of DP2 × PP2 × TP2 (8 ranks), of DP2 × CP2 and CP2 × TP2
-(4 ranks) and of an MoE model on DP × EP, CP, DP2 (EP2) × CP2 and CP2 × TP2 (4 ranks) equal the single-process
-run's, and so do an MoE model's under ZeRO with EP; impossible layouts are rejected with the reason."""
+"""Parallelisms composed on a mesh: the first 10 losses of DP2 × PP2 × TP2 (8 ranks), of DP2 × CP2, CP2 × TP2 and
+CP2 × PP2 (4 ranks) and of an MoE model on DP × EP, CP, DP2 (EP2) × CP2, CP2 × TP2 and CP2 × PP2 (4 ranks) equal the
+single-process run's, and so do an MoE model's under ZeRO with EP; impossible layouts are rejected with the reason."""
 
 import copy
 import dataclasses
@@ -110,7 +110,7 @@ def _composed(rank, layout, config=CONFIG):
 
 
 @pytest.mark.parametrize("layout, world", [(MeshLayout(dp=2, pp=2, tp=2), 8), (MeshLayout(dp=2, cp=2), 4),
-                                           (MeshLayout(cp=2, tp=2), 4)])
+                                           (MeshLayout(cp=2, tp=2), 4), (MeshLayout(cp=2, pp=2), 4)])
 def test_composed_losses_equal_the_single_process_run(layout, world):
     reference = _single_process()
     for losses in spawn(_composed, world, layout, timeout_s=300):
@@ -119,13 +119,14 @@ def test_composed_losses_equal_the_single_process_run(layout, world):
 
 @pytest.mark.parametrize("layout", [
     MeshLayout(dp=4, ep=2), MeshLayout(dp=2, ep=2), MeshLayout(cp=2), MeshLayout(dp=2, ep=2, cp=2), MeshLayout(pp=2),
-    MeshLayout(dp=2, ep=2, pp=2), MeshLayout(dp=2, ep=2, tp=2), MeshLayout(cp=2, tp=2)])
+    MeshLayout(dp=2, ep=2, pp=2), MeshLayout(dp=2, ep=2, tp=2), MeshLayout(cp=2, tp=2), MeshLayout(cp=2, pp=2)])
 def test_expert_parallel_inside_data_parallel_equals_the_single_process_run(layout):
     """An MoE model on DP × EP, on CP alone, on DP2 (EP2) × CP2 (4 ranks: each EP pair exchanges tokens
     inside one CP index, the expert gradients summed over CP and then over the EDP ranks), under
     PP, where each microbatch is routed on its own and each stage adds its layers' balancing loss, on
     DP2 (EP2) × TP2, each TP rank's slice of the experts exchanged with the EP rank of its TP index, and on
-    CP2 × TP2, each CP rank's share of the sequence routed on its own through the TP-split experts."""
+    CP2 × TP2 and CP2 × PP2, each CP rank's share of the sequence routed on its own (through the TP-split experts;
+    in each microbatch, stage by stage)."""
     shards = layout.dp * MICROBATCHES  # each rank routes each of its microbatches on its own
     reference = _moe_single_process(shards, layout.cp)
     for losses in spawn(_composed, layout.dp * layout.cp * layout.pp * layout.tp, layout, MOE, timeout_s=300):
@@ -175,8 +176,7 @@ def test_mixed_precision_zero_on_the_mesh_follows_the_single_process_run(layout,
 
 @pytest.mark.parametrize("layout, field", [(MeshLayout(dp=3), "layout"), (MeshLayout(tp=3, dp=1), "layout"),
                                            (MeshLayout(tp=8), "tp"), (MeshLayout(pp=8), "pp"), (MeshLayout(cp=16), "cp"),
-                                           (MeshLayout(dp=2, ep=2), "ep"),  # a dense model has no experts to split
-                                           (MeshLayout(cp=2, pp=2), "cp")])  # CP inside a pipeline is not built
+                                           (MeshLayout(dp=2, ep=2), "ep")])  # a dense model has no experts to split
 def test_impossible_layouts_are_rejected(layout, field):
     world = layout.dp * layout.pp * layout.cp * layout.tp if field != "layout" else 8
     with pytest.raises(InvalidValue, match=field):

@@ -17,11 +17,12 @@ since an expert's gradient already sums the tokens every rank of its EP group se
 Under CP an MoE layer routes each rank's share of the sequence on its own (expert capacity and the
 load-balancing loss over those tokens, as under DP), and an expert's gradient is summed over the CP
 ranks, which hold the same experts.
-CP composes with DP and TP (each TP rank's ring carries its own heads' K/V; the vocabulary-parallel loss takes the
-rank's share of the targets), not yet with PP.
+CP composes with DP, TP and PP: each TP rank's ring carries its own heads' K/V, the vocabulary-parallel loss takes
+the rank's share of the targets, and under PP every stage holds the rank's share of each sequence (what crosses the
+pipeline is [b, s/cp, h]) and attends through the ring of its CP group.
 Held against the single-process model in tests/parallel/test_mesh.py (DP2 × PP2 × TP2 on 8 ranks,
-DP2 × CP2 and CP2 × TP2 on 4, an MoE model on DP4 with EP2, on DP2 with EP2, on CP2, on DP2 (EP2) × CP2, on PP2,
-on DP2 (EP2) × PP2 and on DP2 (EP2) × TP2).
+DP2 × CP2, CP2 × TP2 and CP2 × PP2 on 4, an MoE model on DP4 with EP2, on DP2 with EP2, on CP2, on DP2 (EP2) × CP2,
+on PP2, on DP2 (EP2) × PP2, on DP2 (EP2) × TP2, on CP2 × TP2 and on CP2 × PP2).
 `mlsys train --tp/--pp/--cp/--dp/--ep` runs it (train.trainer.train_on_mesh); given `logs` (a CommLog
 per dimension), every byte each dimension sends is counted there. Under PP each stage adds its MoE
 layers' balancing loss itself (parallel/pipeline.py); under TP every expert is split
@@ -79,8 +80,6 @@ class MeshLayout:
                                            ("cp", 2 * self.cp, seq, "sequence (zig-zag: 2·cp chunks)")):
             if divides % value:
                 raise InvalidValue(name, getattr(self, name), f"a divisor of the {divides} {what}")
-        if self.cp > 1 and self.pp > 1:
-            raise InvalidValue("cp", self.cp, "1 when pp > 1 (this composition runs CP with DP and TP only)")
         if self.ep > 1 and not model_config.experts:
             raise InvalidValue("ep", self.ep, "1 for a dense model (no expert layers to split)")
         for name, value, divides, what in (("ep", self.ep, self.dp, "data-parallel ranks (EP splits DP)"),
@@ -162,6 +161,9 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
     layout, logs = mesh.layout, logs or {}
     rows = inputs.chunk(layout.dp)[mesh.dp.rank], targets.chunk(layout.dp)[mesh.dp.rank]
     if layout.pp > 1:
+        if layout.cp > 1:  # the stages hold this rank's zig-zag share of each sequence
+            positions = zigzag_indices(rows[0].shape[1], layout.cp, mesh.cp.rank)
+            rows = rows[0][:, positions], rows[1][:, positions]
         loss = pipeline.step(*rows, optimizer, meter)[0]
         loss = torch.tensor(0.0 if loss is None else loss, dtype=torch.float64)
         dist.all_reduce(loss, group=mesh.pp.group)  # only the last stage had it
@@ -169,6 +171,11 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
             _sum_tied_embedding_gradient(model, mesh.pp, logs.get("pipeline_p2p"), tied_gradient)
         if sequence_parallel:
             sync_replicated_gradients(model, TensorGroup(mesh.tp, logs.get("tensor_parallel")))
+        if layout.cp > 1:  # each CP rank's loss is the mean over its (equal) share: their mean is the whole's
+            dist.all_reduce(loss, group=mesh.cp.group)
+            loss /= layout.cp
+            if reduce_data_parallel:  # (ZeRO averages over DP × CP itself)
+                _all_reduce_gradients(model.parameters(), mesh.cp, divisor=layout.cp, log=logs.get("context_parallel"))
     else:  # the rows in microbatches whose gradients accumulate
         loss = sum(_microbatch_backward(model, mesh, x, y, microbatches, logs, reduce_data_parallel, meter)
                    for x, y in zip(rows[0].chunk(microbatches), rows[1].chunk(microbatches)))
@@ -245,7 +252,8 @@ def prepare(model: Llama, mesh: MeshRanks, microbatches: int, schedule: str = "1
     loss = (lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp)) if layout.tp > 1 else None
     pipeline = PipelineRank(model, mesh.pp, build(schedule, layout.pp, microbatches, interleave),
                             log=logs.get("pipeline_p2p"), loss=loss, dtype=dtype,
-                            sequence_shards=layout.tp if sequence_parallel else 1)
+                            sequence_shards=layout.tp if sequence_parallel else 1,
+                            ring=Wire(mesh.cp, logs.get("context_parallel")) if layout.cp > 1 else None)
     return model, pipeline
 
 

@@ -29,6 +29,7 @@ unpipelined model, and PipeDream to a single-process replay, in tests/parallel/t
 
 import time
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,7 @@ from mlsyslab.errors import InvalidValue
 from mlsyslab.measure.memory import ActivationMeter
 from mlsyslab.nn.llama import Llama, causal_attention, rope_cos_sin, rope_inverse_frequencies
 from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, MixtureOfExperts, balancing_losses
+from mlsyslab.parallel.context import ring_attention, zigzag_indices
 from mlsyslab.parallel.schedules import Schedule, Timeline
 from mlsyslab.parallel.weight_stash import WeightStash
 from mlsyslab.predict.pipeline import balanced_split
@@ -48,11 +50,13 @@ from mlsyslab.predict.pipeline import balanced_split
 
 class StageChunk(nn.Module):
     """Layers [first, last) of a Llama, plus the embedding (first chunk) or norm and head (last chunk).
-    `sequence_shards`: under sequence parallelism (t), what enters and leaves a chunk holds 1/t of the sequence."""
+    `sequence_shards`: under sequence parallelism (t), what enters and leaves a chunk holds 1/t of the sequence.
+    `ring`: under context parallelism, the CP group's wire: the chunk holds this rank's zig-zag share of each
+    sequence (`parallel.context.zigzag_indices`) and attends through the ring."""
 
-    def __init__(self, model: Llama, first: int, last: int, sequence_shards: int = 1):
+    def __init__(self, model: Llama, first: int, last: int, sequence_shards: int = 1, ring: Wire | None = None):
         super().__init__()
-        self.config, self.sequence_shards = model.config, sequence_shards
+        self.config, self.sequence_shards, self.ring = model.config, sequence_shards, ring
         self.embed = model.embed_tokens if first == 0 else None
         self.layers = nn.ModuleList(model.layers[first:last])
         self.is_last = last == model.config.layers
@@ -63,10 +67,14 @@ class StageChunk(nn.Module):
         tokens = x.shape[1] if self.embed is not None else x.shape[1] * self.sequence_shards  # rope's: every position
         if self.embed is not None:
             x = self.embed(x)
-        positions = torch.arange(tokens).expand(x.shape[0], -1)
-        cos, sin = rope_cos_sin(rope_inverse_frequencies(self.config), positions, x.dtype)
+        if self.ring is None:
+            positions, attend = torch.arange(tokens), partial(causal_attention, 0)
+        else:
+            positions = zigzag_indices(tokens * self.ring.size, self.ring.size, self.ring.me)
+            attend = partial(ring_attention, self.ring)
+        cos, sin = rope_cos_sin(rope_inverse_frequencies(self.config), positions.expand(x.shape[0], -1), x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, lambda q, k, v: causal_attention(0, q, k, v))
+            x = layer(x, cos, sin, attend)
         return self.head(self.norm(x)) if self.is_last else x
 
 
@@ -102,14 +110,14 @@ class PipelineRank:
     """The chunks one rank holds and the schedule it follows."""
 
     def __init__(self, model: Llama, rank: Rank, schedule: Schedule, log: CommLog | None = None, loss=None,
-                 dtype: torch.dtype | None = None, sequence_shards: int = 1):
+                 dtype: torch.dtype | None = None, sequence_shards: int = 1, ring: Wire | None = None):
         if schedule.stages != rank.world_size:
             raise InvalidValue("stages", schedule.stages, f"the {rank.world_size} ranks of the pipeline group")
         self.rank, self.schedule, self.wire = rank, schedule, Wire(rank, log)
         self.loss = loss or mean_cross_entropy  # (logits, targets) -> mean loss; vocab-parallel under TP
         bounds = split(model, schedule.stages * schedule.chunks)
-        self.chunks = nn.ModuleList(StageChunk(model, *bounds[schedule.virtual_stage(rank.rank, c)], sequence_shards)
-                                    for c in range(schedule.chunks))
+        self.chunks = nn.ModuleList(StageChunk(model, *bounds[schedule.virtual_stage(rank.rank, c)], sequence_shards,
+                                               ring) for c in range(schedule.chunks))
         self.sequence_shards = sequence_shards  # sequence parallelism: activations travel as [b, s/t, hidden]
         self.hidden, self.last_stage = model.config.hidden, schedule.stages * schedule.chunks - 1
         self.dtype = dtype or model.norm.weight.dtype  # what activations travel in: the model's by default
