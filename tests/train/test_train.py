@@ -74,7 +74,7 @@ def mlsys(*args, **kwargs):
     (["--dp", "1"], "dp"),
     (["--sequence-parallel"], "sequence_parallel"),  # no TP
     (["--tp", "2", "--strategy", "zero1", "--sequence-parallel"], "sequence_parallel"),
-    (["--nproc", "4", "--tp", "2", "--cp", "2", "--sequence-parallel"], "sequence_parallel"),
+    (["--nproc", "4", "--tp", "2", "--cp", "2", "--strategy", "zero2", "--sequence-parallel"], "sequence_parallel"),
     (["--timeline", "timeline.png"], "timeline"),  # no pipeline to draw
     (["--pp", "2", "--timeline", "timeline.svg"], "timeline"),
 ])
@@ -191,13 +191,13 @@ def single_process_losses(tiny):
 
 def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny, single_process_losses, tmp_path):
     """--tp 2 (with and without sequence parallelism), --pp 2 (tied embeddings across the stages), --cp 2, and --cp 2
-    with --tp 2 or --pp 2 reproduce one process's losses; TP (with SP, the norms' summed gradients too), PP and CP bytes on the wire equal
+    with --tp 2 (and sequence parallelism) or --pp 2 reproduce one process's losses; TP (with SP, the norms' summed gradients too), PP and CP bytes on the wire equal
     the prediction, and PP reports its executed bubble and draws it."""
     reference = single_process_losses
     chart = tmp_path / "timeline.png"
     for args in (["--tp", "2"], ["--tp", "2", "--sequence-parallel"], ["--pp", "2", "--microbatches", "4", "--timeline",
                                                                         str(chart)], ["--cp", "2"],
-                 ["--nproc", "4", "--cp", "2", "--tp", "2"],
+                 ["--nproc", "4", "--cp", "2", "--tp", "2", "--sequence-parallel"],
                  ["--nproc", "4", "--cp", "2", "--pp", "2", "--microbatches", "4", "--timeline", str(chart)]):
         report = _train_json(tiny, "--steps", "3", *args)
         assert report["result"]["losses"] == pytest.approx(reference, rel=1e-5), args

@@ -154,7 +154,7 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
     gradient, `ZeroDataParallel.shard_gradient`; under ZeRO-3 the module holds no weight to ask): the
     tensor to sum over the pipeline for the tied embedding, its slice, summed slice by slice.
     `optimizer`, under the PipeDream schedule: what each stage steps after every backward (`PipelineRank.step`).
-    `sequence_parallel` (a model `prepare`d with it, without CP): each TP rank's norm weights saw only its tokens, so
+    `sequence_parallel` (a model `prepare`d with it): each TP rank's norm weights saw only its tokens, so
     their gradients are summed over the TP group once the microbatches are done.
     `meter`: counts the activations each forward saves for its backward; its peak is what this rank held at once.
     """

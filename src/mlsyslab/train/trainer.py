@@ -16,7 +16,7 @@ activations rank 0 holds at once (in its first step) and, under PP, the bubble o
 (with every layout: parallel/mesh_zero.py). An MoE model (a catalog spec with
 `moe`, e.g. from --model-spec) always takes the mesh trainer, which adds its load-balancing loss; --ep
 splits its experts over the DP ranks, --tp splits every expert (and with both, each TP slice of the
-experts is spread over EP). --sequence-parallel (under TP, without CP or ZeRO) splits the activations between
+experts is spread over EP). --sequence-parallel (under TP, without ZeRO) splits the activations between
 blocks, and between pipeline stages, along the sequence and sums the norms' gradients over TP once a step.
 Under --cp every ZeRO stage shards over the DP and CP ranks together (they hold the same weights);
 under --ep an MoE model's experts are sharded over the DP × CP ranks that hold the same experts.
@@ -117,10 +117,9 @@ class TrainConfig:
             self._validate_mesh()
         elif self.dp is not None and self.dp != self.nproc:
             raise InvalidValue("dp", self.dp, f"nproc={self.nproc} when tp, pp and cp are 1")
-        if self.sequence_parallel and (self.tp == 1 or self.cp > 1 or self.strategy != "ddp" or self.seq % self.tp):
-            # ring attention passes its own shards, and ZeRO reduces the norms' gradients before sequence parallelism
-            # has summed them over TP
-            raise InvalidValue("sequence_parallel", True, f"with --tp > 1 dividing --seq, without --cp or ZeRO "
+        if self.sequence_parallel and (self.tp == 1 or self.strategy != "ddp" or self.seq % (self.tp * self.cp)):
+            # ZeRO reduces the norms' gradients before sequence parallelism has summed them over TP
+            raise InvalidValue("sequence_parallel", True, f"with --tp > 1, --tp × --cp dividing --seq, without ZeRO "
                                f"(tp={self.tp}, seq={self.seq}, cp={self.cp}, strategy={self.strategy})")
         if self.timeline is not None and (self.pp == 1 or Path(self.timeline).suffix not in (".png", ".json")
                                           or not Path(self.timeline).parent.is_dir()):
