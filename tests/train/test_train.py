@@ -73,8 +73,8 @@ def mlsys(*args, **kwargs):
     (["--pp", "2", "--microbatches", "3"], "microbatches"),
     (["--dp", "1"], "dp"),
     (["--sequence-parallel"], "sequence_parallel"),  # no TP
-    (["--tp", "2", "--strategy", "zero1", "--sequence-parallel"], "sequence_parallel"),
-    (["--nproc", "4", "--tp", "2", "--cp", "2", "--strategy", "zero2", "--sequence-parallel"], "sequence_parallel"),
+    (["--tp", "2", "--seq", "33", "--sequence-parallel"], "sequence_parallel"),  # 33 tokens do not split over TP 2
+    (["--tp", "2", "--strategy", "zero3", "--sequence-parallel"], "sequence_parallel"),
     (["--timeline", "timeline.png"], "timeline"),  # no pipeline to draw
     (["--pp", "2", "--timeline", "timeline.svg"], "timeline"),
 ])
@@ -381,22 +381,23 @@ def test_zero_with_pipeline_parallelism(tiny, single_process_losses, strategy):
 
 
 @pytest.mark.parametrize("strategy, other", [  # CI time: ZeRO-1, ZeRO-2 with CP and ZeRO-3 with TP run with -m slow
-    pytest.param("zero1", "--tp", marks=pytest.mark.slow), ("zero2", "--tp"),
-    pytest.param("zero3", "--tp", marks=pytest.mark.slow),
-    pytest.param("zero1", "--cp", marks=pytest.mark.slow), pytest.param("zero2", "--cp", marks=pytest.mark.slow),
-    ("zero3", "--cp")])
+    pytest.param("zero1", ("--tp",), marks=pytest.mark.slow), ("zero2", ("--tp",)),
+    ("zero2", ("--tp", "--sequence-parallel")), pytest.param("zero3", ("--tp",), marks=pytest.mark.slow),
+    pytest.param("zero1", ("--cp",), marks=pytest.mark.slow), pytest.param("zero2", ("--cp",), marks=pytest.mark.slow),
+    ("zero3", ("--cp",))])
 def test_zero_along_data_parallel_inside_the_mesh(tiny, single_process_losses, strategy, other):
-    """DP2 × TP2 and DP2 × CP2 on 4 ranks with ZeRO, two microbatches a rank: one process's losses, and the
-    bytes predict states (ZeRO-1 reduce-scatters the gradients once per step, ZeRO-2 once per microbatch,
-    then the updated weights are all-gathered; ZeRO-3 gathers the weights for every microbatch's forward
-    and backward instead). Under CP, ZeRO shards over the 4 DP × CP ranks (they hold the same weights) and
+    """DP2 × TP2 (with and without sequence parallelism) and DP2 × CP2 on 4 ranks with ZeRO, two microbatches a
+    rank: one process's losses, and the bytes predict states (ZeRO-1 reduce-scatters the gradients once per step,
+    ZeRO-2 once per microbatch, then the updated weights are all-gathered; ZeRO-3 gathers the weights for every
+    microbatch's forward and backward instead; under SP each microbatch's backward sums the norms' gradients over
+    TP before ZeRO reduces them). Under CP, ZeRO shards over the 4 DP × CP ranks (they hold the same weights) and
     the CP ring carries only K/V."""
     reference = single_process_losses
-    report = _train_json(tiny, "--nproc", "4", other, "2", "--dp", "2", "--micro-batch", "1", "--strategy", strategy,
-                         "--steps", "3")
+    report = _train_json(tiny, "--nproc", "4", other[0], "2", *other[1:], "--dp", "2", "--micro-batch", "1",
+                         "--strategy", strategy, "--steps", "3")
     assert report["result"]["losses"] == pytest.approx(reference, rel=1e-5)
     wire = report["predicted_vs_measured"]["wire_bytes_per_step"]
-    for dimension in ("tensor_parallel" if other == "--tp" else "context_parallel", "data_parallel"):
+    for dimension in ("tensor_parallel" if other[0] == "--tp" else "context_parallel", "data_parallel"):
         assert wire[dimension]["predicted"] > 0
         assert wire[dimension]["measured"] == pytest.approx(wire[dimension]["predicted"])
 

@@ -51,7 +51,7 @@ from mlsyslab.parallel.context import ring_attention, zigzag_indices
 from mlsyslab.parallel.expert import ExpertDispatch, ExpertParallel
 from mlsyslab.parallel.pipeline import PipelineRank, mean_cross_entropy
 from mlsyslab.parallel.schedules import build
-from mlsyslab.parallel.tensor import (TensorGroup, TensorParallelExperts, parallelize_llama, sync_replicated_gradients,
+from mlsyslab.parallel.tensor import (TensorGroup, TensorParallelExperts, parallelize_llama,
                                       vocab_parallel_cross_entropy)
 
 DIMENSIONS = ("pp", "dp", "cp", "tp")
@@ -139,7 +139,7 @@ def _rank_in(rank: Rank, group, local: int | None = None) -> Rank:
 def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
                   pipeline: PipelineRank | None = None, logs: dict | None = None,
                   reduce_data_parallel: bool = True, tied_gradient=None, optimizer=None,
-                  sequence_parallel: bool = False, meter: ActivationMeter | None = None) -> float:
+                  meter: ActivationMeter | None = None) -> float:
     """Forward and backward of this rank's share of a global batch; returns the global mean loss.
 
     `inputs`/`targets` are the global batch [B, s]; DP takes rows, CP takes zig-zag columns, and the DP
@@ -154,8 +154,6 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
     gradient, `ZeroDataParallel.shard_gradient`; under ZeRO-3 the module holds no weight to ask): the
     tensor to sum over the pipeline for the tied embedding, its slice, summed slice by slice.
     `optimizer`, under the PipeDream schedule: what each stage steps after every backward (`PipelineRank.step`).
-    `sequence_parallel` (a model `prepare`d with it): each TP rank's norm weights saw only its tokens, so
-    their gradients are summed over the TP group once the microbatches are done.
     `meter`: counts the activations each forward saves for its backward; its peak is what this rank held at once.
     """
     layout, logs = mesh.layout, logs or {}
@@ -169,8 +167,6 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
         dist.all_reduce(loss, group=mesh.pp.group)  # only the last stage had it
         if model.config.tied_embeddings:
             _sum_tied_embedding_gradient(model, mesh.pp, logs.get("pipeline_p2p"), tied_gradient)
-        if sequence_parallel:
-            sync_replicated_gradients(model, TensorGroup(mesh.tp, logs.get("tensor_parallel")))
         if layout.cp > 1:  # each CP rank's loss is the mean over its (equal) share: their mean is the whole's
             dist.all_reduce(loss, group=mesh.cp.group)
             loss /= layout.cp
@@ -179,8 +175,6 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
     else:  # the rows in microbatches whose gradients accumulate
         loss = sum(_microbatch_backward(model, mesh, x, y, microbatches, logs, reduce_data_parallel, meter)
                    for x, y in zip(rows[0].chunk(microbatches), rows[1].chunk(microbatches)))
-        if sequence_parallel:
-            sync_replicated_gradients(model, TensorGroup(mesh.tp, logs.get("tensor_parallel")))
         if layout.cp > 1:
             dist.all_reduce(loss, group=mesh.cp.group)
             if reduce_data_parallel:

@@ -315,11 +315,18 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp
     return _VocabParallelCrossEntropy.apply(logits, targets, tp, tp.index * logits.shape[-1])
 
 
-def sync_replicated_gradients(model, tp: TensorGroup) -> None:
-    """Under sequence parallelism each rank's norm weights saw only its tokens: sum their gradients."""
-    for name, parameter in model.named_parameters():
-        if parameter.grad is not None and "norm" in name:
-            parameter.grad = tp.all_reduce(parameter.grad)
+class SequenceParallelNorm(nn.Module):
+    """A norm under sequence parallelism: it sees only this rank's tokens, so its weight's gradient is summed over
+    the TP group inside backward, every microbatch (Megatron sums it once a step, after the gradients' reduction) —
+    before ZeRO's hooks take it, which then see the whole gradient. Same weight, same name as the `RMSNorm` it
+    replaces."""
+
+    def __init__(self, source: nn.Module, tp: TensorGroup):
+        super().__init__()
+        self.weight, self.eps, self.tp = source.weight, source.eps, tp
+
+    def forward(self, x):
+        return F.rms_norm(x, self.weight.shape, _OnGradient.apply(self.weight, self.tp.all_reduce), self.eps)
 
 
 def parallelize_llama(model, tp: TensorGroup, sequence_parallel: bool = False):
@@ -330,7 +337,12 @@ def parallelize_llama(model, tp: TensorGroup, sequence_parallel: bool = False):
                          ("expert_ffn_hidden", config.expert_ffn_hidden or config.ffn_hidden), ("vocab", config.vocab)):
         if value % t:
             raise InvalidValue("tp", t, f"a divisor of {field}={value}")
+    if sequence_parallel:
+        model.norm = SequenceParallelNorm(model.norm, tp)
     for layer in model.layers:
+        if sequence_parallel:
+            layer.input_layernorm = SequenceParallelNorm(layer.input_layernorm, tp)
+            layer.post_attention_layernorm = SequenceParallelNorm(layer.post_attention_layernorm, tp)
         attention, mlp = layer.self_attn, layer.mlp
         attention.fused_qkv = _QKV(attention, tp, sequence_parallel)
         attention.o_proj = RowParallelLinear(attention.o_proj, tp, sequence_parallel)
