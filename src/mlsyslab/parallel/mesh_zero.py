@@ -19,6 +19,7 @@ from torch import nn
 
 from mlsyslab.comm.log import CommLog
 from mlsyslab.parallel.mesh import MeshRanks, expert_parameters
+from mlsyslab.parallel.tensor import gathered_entries
 from mlsyslab.parallel.zero import ZeroDataParallel
 
 
@@ -39,8 +40,8 @@ class MeshZero:
         if experts:
             groups.append((mesh.edcp, [p for p in held if id(p) in experts], ()))
         self.zeros = [ZeroDataParallel(module, rank, stage, optimizer_factory, mixed_precision, offload,
-                                       bucket_bytes, log, alone=alone, parameters=parameters if experts else None,
-                                       divisor=mesh.dcp.world_size)
+                                       bucket_bytes, log, units=gathered_entries(module), alone=alone,
+                                       parameters=parameters if experts else None, divisor=mesh.dcp.world_size)
                       for rank, parameters, alone in groups]
         if log is not None:
             log.reset()  # the start-up broadcasts are not a step's traffic

@@ -125,7 +125,7 @@ def _regathered_weight_grads(tp: TensorGroup, shard: torch.Tensor, grads) -> lis
 def _enter_linears(x, tp: TensorGroup, sequence_parallel: bool, *linears) -> tuple:
     """The column-parallel products of `linears` on x, entering the region once: f then each linear module (whose
     hooks, ZeRO-3's gathers among them, run), or under SP the all-gather that keeps only the shard for backward
-    (`_GatheredLinears`, on the weights as they are: SP runs without ZeRO)."""
+    (`_GatheredLinears`, on the weights as they are: ZeRO-3 gathers the entry as one unit, `gathered_entries`)."""
     if sequence_parallel:
         return _GatheredLinears.apply(x, tp, *(linear.weight for linear in linears))
     x = _Enter.apply(x, tp, False)
@@ -313,6 +313,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TensorGroup) -> torch.Tensor:
     """logits [..., V/t] of this rank's vocabulary slice; targets [...] global ids."""
     return _VocabParallelCrossEntropy.apply(logits, targets, tp, tp.index * logits.shape[-1])
+
+
+def gathered_entries(module: nn.Module) -> list[nn.Module]:
+    """The modules that, under sequence parallelism, multiply the gathered sequence by their children's weights
+    without calling those children (`_GatheredLinears`, `_RouterOnGathered`): ZeRO-3 gathers each as one unit."""
+    return [m for m in module.modules() if isinstance(m, (_QKV, _GateUp, TensorParallelExperts)) and m.sp]
 
 
 class SequenceParallelNorm(nn.Module):

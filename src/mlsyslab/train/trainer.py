@@ -16,7 +16,7 @@ activations rank 0 holds at once (in its first step) and, under PP, the bubble o
 (with every layout: parallel/mesh_zero.py). An MoE model (a catalog spec with
 `moe`, e.g. from --model-spec) always takes the mesh trainer, which adds its load-balancing loss; --ep
 splits its experts over the DP ranks, --tp splits every expert (and with both, each TP slice of the
-experts is spread over EP). --sequence-parallel (under TP, with DDP, ZeRO-1 or -2) splits the activations between
+experts is spread over EP). --sequence-parallel (under TP) splits the activations between
 blocks, and between pipeline stages, along the sequence and sums the norms' gradients over TP in backward.
 Under --cp every ZeRO stage shards over the DP and CP ranks together (they hold the same weights);
 under --ep an MoE model's experts are sharded over the DP × CP ranks that hold the same experts.
@@ -117,12 +117,9 @@ class TrainConfig:
             self._validate_mesh()
         elif self.dp is not None and self.dp != self.nproc:
             raise InvalidValue("dp", self.dp, f"nproc={self.nproc} when tp, pp and cp are 1")
-        if self.sequence_parallel and (self.tp == 1 or self.seq % (self.tp * self.cp) or self.strategy == "zero3"):
-            # ZeRO-3 gathers a linear's weight when the linear runs; SP's entries run their linears' products at
-            # once on the gathered sequence (parallel.tensor._GatheredLinears), without calling them
-            raise InvalidValue("sequence_parallel", True, f"with --tp > 1, --tp × --cp dividing --seq, and --strategy "
-                               f"ddp, zero1 or zero2 (tp={self.tp}, seq={self.seq}, cp={self.cp}, "
-                               f"strategy={self.strategy})")
+        if self.sequence_parallel and (self.tp == 1 or self.seq % (self.tp * self.cp)):
+            raise InvalidValue("sequence_parallel", True, f"with --tp > 1, --tp × --cp dividing --seq "
+                               f"(tp={self.tp}, seq={self.seq}, cp={self.cp})")
         if self.timeline is not None and (self.pp == 1 or Path(self.timeline).suffix not in (".png", ".json")
                                           or not Path(self.timeline).parent.is_dir()):
             raise InvalidValue("timeline", self.timeline, "a .png (chart) or .json (Chrome / Perfetto trace) path in an "
