@@ -107,3 +107,20 @@ def test_prompt_logprobs_equal_transformers(models):
             top = expected[position].topk(5)
             assert [value for _, value in scored.top] == pytest.approx(top.values.tolist(), abs=1e-3)
     llm.engine.check()
+
+
+def test_min_tokens_equals_transformers_min_new_tokens(models):
+    """EOS held back until `min_tokens`, as transformers' `min_new_tokens` holds it back; a stop string too."""
+    ours, tokenizer, theirs = models
+    prompts = [tokenizer.chat_ids([{"role": "user", "content": q}]) for q in QUESTIONS[:3]]
+    llm = LLM(ours, tokenizer, config=EngineConfig(kv_cache_bytes=100_000_000))
+    assert len(llm.generate(prompts[:1], SamplingParams(max_tokens=24, temperature=0))[0].output_ids) < 16  # EOS early
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=24, min_tokens=16, temperature=0))
+    for prompt, output in zip(prompts, outputs):
+        with torch.no_grad():
+            expected = theirs.generate(torch.tensor([prompt]), do_sample=False, min_new_tokens=16, max_new_tokens=24,
+                                       eos_token_id=sorted(tokenizer.eos_token_ids))[0, len(prompt):].tolist()
+        assert output.output_ids == expected
+    (cut,) = llm.generate(prompts[:1], SamplingParams(max_tokens=24, min_tokens=16, temperature=0, stop=["."]))
+    assert cut.text.startswith("The capital of France is Paris.") and len(cut.output_ids) >= 16
+    llm.engine.check()

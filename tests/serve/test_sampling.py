@@ -111,6 +111,18 @@ def test_logit_bias_is_added_to_the_raw_logits_before_penalties_and_sampling():
     assert result.token == 0  # 2.5 / 2 = 1.25 < 2.0
 
 
+def test_min_tokens_masks_the_stop_tokens_until_reached():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.0]])
+    params = SamplingParams(temperature=0, min_tokens=2, logprobs=0)
+    under = SamplerInput(params, [], [3], torch.Generator(), stop_ids=frozenset({0}))
+    reached = SamplerInput(params, [], [3, 3], torch.Generator(), stop_ids=frozenset({0}))
+    assert [r.token for r in sample(logits.expand(2, -1), [under, reached])] == [2, 0]
+    assert frequencies(logits, 300, temperature=1.0)[0] > 0
+    drawn = sample(logits.expand(300, -1), [SamplerInput(SamplingParams(min_tokens=1), [], [], torch.Generator().manual_seed(i),
+                                                         stop_ids=frozenset({0})) for i in range(300)])
+    assert all(r.token != 0 for r in drawn)
+
+
 def test_same_seed_same_tokens_at_any_batch_composition():
     model = tiny_model()
     llm = LLM(model, config=EngineConfig(kv_cache_bytes=200 * block_bytes(16)))
@@ -141,7 +153,7 @@ def test_logprobs_and_top_logprobs():
 @pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -2), ("min_p", 1.5),
                                           ("max_tokens", 0), ("logprobs", 21), ("presence_penalty", 3.0),
                                           ("temperature", math.nan), ("stop", [""]), ("logit_bias", {5: 101}),
-                                          ("logit_bias", {-1: 1.0})])
+                                          ("logit_bias", {-1: 1.0}), ("min_tokens", 17), ("min_tokens", -1)])
 def test_invalid_parameters_name_the_field(field, value):
     with pytest.raises(InvalidValue, match=field):
         SamplingParams(**{field: value})

@@ -85,6 +85,16 @@ def test_logit_bias_bans_and_forces_tokens(client, server):
             answer(bias)
 
 
+def test_min_tokens_holds_back_the_end(client):
+    reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=20,
+                                           temperature=0, extra_body={"min_tokens": 12})
+    assert reply.usage.completion_tokens >= 12 and reply.choices[0].message.content.startswith(
+        "The capital of France is Paris.")
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=4,
+                                       extra_body={"min_tokens": 5})
+
+
 def test_models_health_metrics(client, server):
     assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
     assert httpx.get(server[0] + "/health").json() == {"status": "ok"}

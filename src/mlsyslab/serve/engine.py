@@ -233,8 +233,8 @@ class Engine:
             self.score_prompts(logits[len(rows):], scored)
         self.count(batch, 1)
         self.scheduler.after_step(batch)
-        return sample(logits[:len(rows)], [SamplerInput(r.params, r.prompt_ids, r.output_ids, r.generator)
-                                           for r in sampling], argmax)
+        return sample(logits[:len(rows)], [SamplerInput(r.params, r.prompt_ids, r.output_ids, r.generator,
+                                                        self.trackers[r.request_id].stop_ids) for r in sampling], argmax)
 
     @staticmethod
     def score_prompts(logits: torch.Tensor, scored: list[tuple[Request, range]]) -> None:

@@ -1,7 +1,7 @@
 """From sampled tokens to what a client sees: text deltas, stop conditions, logprobs.
 
-A request stops on its first of: a stop token (its `stop_token_ids`, or the tokenizer's EOS unless
-`ignore_eos`), a stop string (the text is cut before it; while streaming, the last
+A request stops on its first of (none before `min_tokens` tokens): a stop token (its `stop_token_ids`, or the
+tokenizer's EOS unless `ignore_eos`), a stop string (the text is cut before it; while streaming, the last
 `len(longest stop) - 1` characters are held back so a stop string split across tokens is never
 sent), `max_tokens`, or the model's context length. Finish reasons follow OpenAI: "stop" or
 "length" (and "abort" for a cancelled request). Tested in tests/serve/test_engine.py.
@@ -60,7 +60,7 @@ class OutputTracker:
     def __init__(self, request: Request, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int], max_seq: int):
         self.request = request
         params = request.params
-        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_token_ids))
         self.max_seq = max_seq
         self.detokenizer = (IncrementalDetokenizer(tokenizer, request.prompt_ids, params.skip_special_tokens)
                             if tokenizer is not None else None)
@@ -82,7 +82,8 @@ class OutputTracker:
             reason = "stop"
         elif self.detokenizer is not None:
             self.text += self.detokenizer.add(token)
-            reason = self.cut_at_stop_string()
+            if len(request.output_ids) >= request.params.min_tokens:  # (stop tokens are masked before, in sampling)
+                reason = self.cut_at_stop_string()
         if reason is None and (len(request.output_ids) >= request.params.max_tokens or request.num_tokens >= self.max_seq):
             reason = "length"
         end = len(self.text) if reason else max(self.sent, len(self.text) - self.holdback)

@@ -4,7 +4,7 @@ Requests are pydantic models that accept the fields the official `openai` client
 ones are ignored, as OpenAI-compatible servers do); fields we cannot honour (best_of, suffix,
 tools, tool_choice, functions, a response_format other than text: constrained decoding is not
 built) are rejected with a 400 that names them rather than silently ignored. Extensions
-shared with vLLM: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids.
+shared with vLLM: top_k, min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids.
 
 One call may ask for several choices: `n` per prompt, and for completions a list of prompts (strings or
 token-id lists). Each choice is one engine request; prompt i's choice j has index i·n + j, and with a
@@ -44,6 +44,7 @@ class CommonRequest(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = None
+    min_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -71,7 +72,7 @@ class CommonRequest(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         options = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                                                          "frequency_penalty", "repetition_penalty")
+                                                          "frequency_penalty", "repetition_penalty", "min_tokens")
                    if getattr(self, name) is not None}
         return SamplingParams(max_tokens=max_tokens, seed=self.seed, logit_bias=self.bias(),
                               stop=tuple(as_list(self.stop)), stop_token_ids=tuple(self.stop_token_ids or ()),

@@ -3,7 +3,8 @@
 Order of operations (as vLLM and HF apply them): OpenAI's logit_bias added to the raw logits; then the
 penalties — repetition (Keskar et al. 2019, CTRL: divide a positive logit, multiply a negative one, for
 every token in the prompt or output), then presence and frequency (OpenAI: subtract `presence` once and
-`frequency · count` for tokens already generated); then temperature (0 means greedy: argmax);
+`frequency · count` for tokens already generated); the request's stop tokens masked while it has fewer than
+`min_tokens` (vLLM's, HF's MinNewTokensLengthLogitsProcessor); then temperature (0 means greedy: argmax);
 then the filters on the probabilities — top-k, top-p (nucleus, Holtzman et al. 2020: the smallest
 set whose mass reaches p), min-p (Nguyen et al. 2024: drop tokens below min_p · the top
 probability); then one draw by inverse CDF.
@@ -34,6 +35,7 @@ class SamplingParams:
     """What to generate and when to stop; invalid values raise `InvalidValue` naming the field."""
 
     max_tokens: int = 16
+    min_tokens: int = 0  # no stop token or stop string ends the output before this many tokens (vLLM's)
     temperature: float = 1.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0
@@ -58,6 +60,8 @@ class SamplingParams:
             ("max_tokens", isinstance(self.max_tokens, int) and (self.max_tokens >= 1 or self.max_tokens == 0
                                                                  and self.prompt_logprobs is not None),
              "an integer >= 1 (0 only with prompt_logprobs: score the prompt, generate nothing)"),
+            ("min_tokens", isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+             f"an integer in 0..max_tokens={self.max_tokens}"),
             ("temperature", finite(self.temperature) and self.temperature >= 0, ">= 0 (0: greedy)"),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= -1, "an integer >= 0 (0 or -1: off)"),
             ("top_p", finite(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
@@ -88,12 +92,14 @@ def finite(value) -> bool:
 
 @dataclass
 class SamplerInput:
-    """One row of a step's logits: its request's options, token history and random stream."""
+    """One row of a step's logits: its request's options, token history, random stream, and the tokens that would
+    stop it (masked while it is under `min_tokens`)."""
 
     params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int]
     generator: torch.Generator
+    stop_ids: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -169,13 +175,13 @@ def picked_in_step(params: SamplingParams) -> bool:
 
 
 def penalised(params: SamplingParams) -> bool:
-    """Whether a row's logits change before temperature: a logit bias or a penalty."""
+    """Whether a row's logits change before temperature: a logit bias, a penalty or a minimum length."""
     return (bool(params.logit_bias) or params.repetition_penalty != 1 or params.presence_penalty != 0
-            or params.frequency_penalty != 0)
+            or params.frequency_penalty != 0 or params.min_tokens > 0)
 
 
 def apply_penalties(logits: torch.Tensor, row: SamplerInput) -> None:
-    """In place on one row of logits: the logit bias, then the penalties."""
+    """In place on one row of logits: the logit bias, the penalties, then the stop tokens' mask under min_tokens."""
     params = row.params
     if params.logit_bias:
         ids, biases = zip(*params.logit_bias)
@@ -188,6 +194,8 @@ def apply_penalties(logits: torch.Tensor, row: SamplerInput) -> None:
     if (params.presence_penalty or params.frequency_penalty) and row.output_ids:
         ids, counts = torch.tensor(row.output_ids, dtype=torch.long).unique(return_counts=True)
         logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
+    if len(row.output_ids) < params.min_tokens and row.stop_ids:
+        logits[sorted(row.stop_ids)] = -math.inf
 
 
 def draw(logits: torch.Tensor, rows: list[SamplerInput]) -> torch.Tensor:
