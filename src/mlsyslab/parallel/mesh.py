@@ -144,12 +144,11 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
 
     `inputs`/`targets` are the global batch [B, s]; DP takes rows, CP takes zig-zag columns, and the DP
     share runs as `microbatches` (the pipeline's under PP; otherwise one after the other, their gradients
-    accumulating: an MoE model routes each on its own, as under DP). Gradients end summed over CP and
-    averaged over DP on every rank — unless `reduce_data_parallel` is False: then the caller's ZeRO
-    averages them over DP × CP (`MeshRanks.dcp`, as Megatron's distributed optimizer), and each CP rank's
-    gradients are those of cp × its share of the loss, so that the mean over DP × CP is the DP mean of the
-    CP sums. An MoE model's loss includes `AUX_LOSS_WEIGHT` times its load-balancing loss (over each rank's
-    own tokens).
+    accumulating: an MoE model routes each on its own, as under DP). Each CP rank backpropagates the mean loss
+    over its (equal) share of the tokens, so the whole's is the mean over CP: gradients end averaged over CP and
+    DP on every rank — unless `reduce_data_parallel` is False: then the caller's ZeRO averages them over
+    DP × CP (`MeshRanks.dcp`, as Megatron's distributed optimizer). An MoE model's loss includes
+    `AUX_LOSS_WEIGHT` times its load-balancing loss (over each rank's own tokens).
     `tied_gradient()`, under PP with ZeRO-2 or -3 (whose backward leaves only this rank's slice of each
     gradient, `ZeroDataParallel.shard_gradient`; under ZeRO-3 the module holds no weight to ask): the
     tensor to sum over the pipeline for the tied embedding, its slice, summed slice by slice.
@@ -167,18 +166,14 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
         dist.all_reduce(loss, group=mesh.pp.group)  # only the last stage had it
         if model.config.tied_embeddings:
             _sum_tied_embedding_gradient(model, mesh.pp, logs.get("pipeline_p2p"), tied_gradient)
-        if layout.cp > 1:  # each CP rank's loss is the mean over its (equal) share: their mean is the whole's
-            dist.all_reduce(loss, group=mesh.cp.group)
-            loss /= layout.cp
-            if reduce_data_parallel:  # (ZeRO averages over DP × CP itself)
-                _all_reduce_gradients(model.parameters(), mesh.cp, divisor=layout.cp, log=logs.get("context_parallel"))
     else:  # the rows in microbatches whose gradients accumulate
-        loss = sum(_microbatch_backward(model, mesh, x, y, microbatches, logs, reduce_data_parallel, meter)
+        loss = sum(_microbatch_backward(model, mesh, x, y, microbatches, logs, meter)
                    for x, y in zip(rows[0].chunk(microbatches), rows[1].chunk(microbatches)))
-        if layout.cp > 1:
-            dist.all_reduce(loss, group=mesh.cp.group)
-            if reduce_data_parallel:
-                _all_reduce_gradients(model.parameters(), mesh.cp, divisor=1, log=logs.get("context_parallel"))
+    if layout.cp > 1:  # each CP rank's loss is the mean over its (equal) share: their mean is the whole's
+        dist.all_reduce(loss, group=mesh.cp.group)
+        loss /= layout.cp
+        if reduce_data_parallel:  # (ZeRO averages over DP × CP itself)
+            _all_reduce_gradients(model.parameters(), mesh.cp, divisor=layout.cp, log=logs.get("context_parallel"))
     if reduce_data_parallel:
         experts = expert_parameters(model)
         _all_reduce_gradients([p for p in model.parameters() if id(p) not in experts], mesh.dp, divisor=layout.dp,
@@ -190,14 +185,14 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
 
 
 def _microbatch_backward(model: Llama, mesh: MeshRanks, x: torch.Tensor, y: torch.Tensor, microbatches: int,
-                         logs: dict, reduce_data_parallel: bool, meter: ActivationMeter | None = None) -> torch.Tensor:
+                         logs: dict, meter: ActivationMeter | None = None) -> torch.Tensor:
     """Forward and backward of one of a rank's `microbatches` (without PP): its loss over 1/microbatches of the
-    rank's rows; under CP this rank's zig-zag share of each sequence through ring attention (its loss
-    summed over its tokens, over the microbatch's; with ZeRO, cp × that: see `composed_step`), under TP
-    the vocabulary-parallel loss; an MoE model adds its load-balancing loss. Returns the detached share."""
+    rank's rows; under CP this rank's zig-zag share of each sequence through ring attention (the mean over its
+    tokens: see `composed_step`), under TP the vocabulary-parallel loss; an MoE model adds its load-balancing
+    loss. Returns the detached share."""
     with meter.track(model.parameters()) if meter is not None else nullcontext():
         loss = _microbatch_loss(model, mesh, x, y, microbatches, logs)
-    (loss if reduce_data_parallel else mesh.layout.cp * loss).backward()
+    loss.backward()
     if meter is not None:
         meter.release(meter.saved_bytes)
     return loss.detach()
@@ -207,7 +202,7 @@ def _microbatch_loss(model: Llama, mesh: MeshRanks, x: torch.Tensor, y: torch.Te
                      logs: dict) -> torch.Tensor:
     """The forward of `_microbatch_backward`: the microbatch's share of the loss."""
     layout = mesh.layout
-    if layout.cp > 1:  # this rank's zig-zag share of each sequence (equal shares: its mean over cp is the mean)
+    if layout.cp > 1:  # this rank's zig-zag share of each sequence
         positions = zigzag_indices(x.shape[1], layout.cp, mesh.cp.rank)
         wire = Wire(mesh.cp, logs.get("context_parallel"))
         hidden = model.hidden_states(x[:, positions], positions.expand(x.shape[0], -1),
@@ -217,10 +212,9 @@ def _microbatch_loss(model: Llama, mesh: MeshRanks, x: torch.Tensor, y: torch.Te
         logits = model(x)
     loss = vocab_parallel_cross_entropy(logits, y, TensorGroup(mesh.tp, logs.get("tensor_parallel"))) \
         if layout.tp > 1 else mean_cross_entropy(logits, y)
-    loss = loss / layout.cp
     balance = load_balancing_loss(model)  # over this rank's tokens: under CP the CP ranks' mean joins the loss
     if balance is not None:
-        loss = loss + AUX_LOSS_WEIGHT * balance / layout.cp
+        loss = loss + AUX_LOSS_WEIGHT * balance
     return loss / microbatches
 
 

@@ -165,16 +165,15 @@ class Engine:
 
     def add_requests(self, requests: list[tuple[str, list[int], SamplingParams]]) -> list[Request]:
         """Queue (request_id, prompt_ids, params) requests all or none — the choices and prompts of one API
-        call: if one is invalid or the queue fills, those already queued are withdrawn (no step has run
-        them, no output is reported) and the error is raised."""
+        call: if one is invalid or the queue fills, those already queued are aborted before any step has run
+        them (their outputs are not reported) and the error is raised."""
         added = []
         try:
             for request in requests:
                 added.append(self.add_request(*request))
         except BaseException:
             for request in added:
-                del self.trackers[request.request_id]
-                self.scheduler.abort(request)
+                self.abort(request.request_id)
             raise
         return added
 

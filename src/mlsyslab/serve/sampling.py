@@ -138,11 +138,11 @@ def score(logits: torch.Tensor, tokens: list[int], counts: list[int], rows_at_on
     chunk's thousands of rows never holds more than one slice's fp32 copy."""
     scored = []
     for start in range(0, len(tokens), rows_at_once):
-        logprobs = torch.log_softmax(logits[start:start + rows_at_once].float(), dim=-1)
-        chosen = logprobs.gather(1, torch.tensor(tokens[start:start + rows_at_once])[:, None])[:, 0].tolist()
-        wanted = counts[start:start + rows_at_once]
-        values, ids = logprobs.topk(max(wanted), dim=-1) if max(wanted) else (logprobs[:, :0], logprobs[:, :0])
-        for j, (token, logprob, count) in enumerate(zip(tokens[start:start + rows_at_once], chosen, wanted)):
+        rows = slice(start, start + rows_at_once)
+        logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+        chosen = logprobs.gather(1, torch.tensor(tokens[rows])[:, None])[:, 0].tolist()
+        values, ids = logprobs.topk(max(counts[rows]), dim=-1)
+        for j, (token, logprob, count) in enumerate(zip(tokens[rows], chosen, counts[rows])):
             scored.append(Sampled(token, logprob, list(zip(ids[j, :count].tolist(), values[j, :count].tolist()))))
     return scored
 
