@@ -5,11 +5,15 @@ weights; greedy decoding must then agree token for token — at batch 1 and insi
 prompts arrive in chunks alongside other requests' decodes.
 """
 
+import json
+import re
+
 import pytest
 import torch
 
 from mlsyslab.nn.pretrained import default_gguf_path, load_pretrained
 from mlsyslab.serve.engine import LLM, EngineConfig
+from mlsyslab.serve.grammar import StructuredOutput
 from mlsyslab.serve.sampling import SamplingParams
 
 QUESTIONS = [
@@ -123,4 +127,50 @@ def test_min_tokens_equals_transformers_min_new_tokens(models):
         assert output.output_ids == expected
     (cut,) = llm.generate(prompts[:1], SamplingParams(max_tokens=24, min_tokens=16, temperature=0, stop=["."]))
     assert cut.text.startswith("The capital of France is Paris.") and len(cut.output_ids) >= 16
+    llm.engine.check()
+
+
+STRUCTURED = [  # (question, the output's grammar, a check of a complete output)
+    ("Describe France as JSON.", StructuredOutput("json", json.dumps(
+        {"type": "object", "properties": {"country": {"type": "string"}, "capital": {"type": "string"},
+                                          "population_millions": {"type": "integer", "maximum": 1000}},
+         "required": ["country", "capital", "population_millions"]})),
+     lambda text: set(json.loads(text)) == {"country", "capital", "population_millions"}),
+    ("Give me a phone number.", StructuredOutput("regex", r"\(\d{3}\) \d{3}-\d{4}"),
+     lambda text: re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", text) is not None),
+    ("Is the sky blue?", StructuredOutput.choice(["yes", "no", "it depends"]), lambda text: text in ("yes", "no", "it depends")),
+    ("Return JSON with your name.", StructuredOutput("json_object"), lambda text: isinstance(json.loads(text), dict)),
+]
+
+
+def test_structured_outputs_equal_transformers_with_xgrammars_logits_processor(models):
+    """Greedy decoding under a grammar (a JSON schema, a regex, a choice, any JSON object) equals transformers'
+    `generate` with xgrammar's own logits processor on the same weights, its vocabulary read from transformers'
+    tokenizer; each request in a mixed batch with the others, through prefill chunks; every output complete."""
+    import xgrammar
+    from transformers import AutoTokenizer
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    ours, tokenizer, theirs = models
+    info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(str(default_gguf_path().parent),
+                                                                                 gguf_file=default_gguf_path().name),
+                                                   vocab_size=ours.config.vocab)
+    compiler = xgrammar.GrammarCompiler(info)
+    llm = LLM(ours, tokenizer, config=EngineConfig(kv_cache_bytes=100_000_000, max_batched_tokens=24))
+    prompts = [tokenizer.chat_ids([{"role": "user", "content": question}]) for question, _, _ in STRUCTURED]
+    outputs = llm.generate(prompts, [SamplingParams(max_tokens=48, temperature=0, structured_output=structured)
+                                     for _, structured, _ in STRUCTURED])
+    for prompt, (question, structured, complete), output in zip(prompts, STRUCTURED, outputs):
+        theirs_compiled = {  # the same grammar, compiled on their vocabulary
+                           "json": lambda: compiler.compile_json_schema(structured.spec, any_whitespace=False),
+                           "json_object": lambda: compiler.compile_json_schema('{"type": "object"}', any_whitespace=False),
+                           "regex": lambda: compiler.compile_regex(structured.spec),
+                           "choice": lambda: compiler.compile_grammar('root ::= "yes" | "no" | "it depends"'),
+                           }[structured.kind]()
+        with torch.no_grad():
+            expected = theirs.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48,
+                                       logits_processor=[LogitsProcessor(theirs_compiled)],
+                                       eos_token_id=sorted(tokenizer.eos_token_ids))[0, len(prompt):].tolist()
+        assert output.output_ids == expected, question
+        assert output.finish_reason == "stop" and complete(output.text), (question, output.text)
     llm.engine.check()

@@ -2,6 +2,7 @@
 metrics, and a client that disconnects."""
 
 import json
+import re
 import time
 
 import httpx
@@ -122,10 +123,9 @@ def test_errors_are_openai_shaped(client, server):
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("field, value", [("response_format", {"type": "json_object"}), ("tool_choice", "auto"),
-                                          ("functions", [{"name": "f", "parameters": {}}])])
+@pytest.mark.parametrize("field, value", [("tool_choice", "auto"), ("functions", [{"name": "f", "parameters": {}}])])
 def test_chat_fields_we_cannot_honour_are_refused(client, field, value):
-    """Asked for JSON output or a tool call, the server says it cannot rather than return free text."""
+    """Asked for a tool call, the server says it cannot rather than return free text."""
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=2,
                                        extra_body={field: value})
@@ -133,6 +133,55 @@ def test_chat_fields_we_cannot_honour_are_refused(client, field, value):
     plain = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=2,
                                            response_format={"type": "text"}, tool_choice="none")
     assert plain.choices[0].message.content
+
+
+COUNTRY = {"type": "object", "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
+           "required": ["country", "capital"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_and_json_object_streamed_and_not(client):
+    """OpenAI's structured outputs: the reply parses as JSON with the schema's keys; streamed equals not."""
+    schema_format = {"type": "json_schema", "json_schema": {"name": "country", "schema": COUNTRY, "strict": True}}
+    question = [{"role": "user", "content": "Which country is Paris in? Answer in JSON."}]
+    reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, max_tokens=40,
+                                           temperature=0, response_format=schema_format)
+    assert reply.choices[0].finish_reason == "stop"
+    assert set(json.loads(reply.choices[0].message.content)) == {"country", "capital"}
+    chunks = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, max_tokens=40,
+                                            temperature=0, response_format=schema_format, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
+    any_object = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, max_tokens=40,
+                                                temperature=0.7, seed=3, n=2, response_format={"type": "json_object"})
+    for choice in any_object.choices:
+        assert choice.finish_reason == "length" or isinstance(json.loads(choice.message.content), dict)
+
+
+def test_vllm_structured_outputs_on_completions(client):
+    """vLLM's extension: a regex, a choice and an EBNF grammar, on the legacy completions API."""
+    for structured, check in [({"regex": r"\d{3}-\d{4}"}, lambda text: re.fullmatch(r"\d{3}-\d{4}", text)),
+                              ({"choice": ["yes", "no"]}, lambda text: text in ("yes", "no")),
+                              ({"grammar": 'root ::= ("yes" | "no") ", " [a-z]{1,5} "."'},
+                               lambda text: re.fullmatch(r"(yes|no), [a-z]{1,5}\.", text))]:
+        reply = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Is Paris in France?", max_tokens=12,
+                                          temperature=0, extra_body={"structured_outputs": structured})
+        assert reply.choices[0].finish_reason == "stop" and check(reply.choices[0].text), (structured, reply.choices[0].text)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": "yes"}}, "structured_outputs"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos")])
+def test_a_structured_output_that_cannot_be_honoured_is_a_400_naming_its_field(server, body, param):
+    url, engine, _ = server
+    response = httpx.post(url + "/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 2, **body})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.json()
+    stats = engine.check()
+    assert stats.idle and stats.kv_blocks_used == stats.prefix_cache_blocks
 
 
 def test_completion_suffix_is_refused(client):

@@ -5,7 +5,8 @@ One `Engine.step()`: the scheduler picks this iteration's requests and how many 
 (`nn.llama.Llama.forward_packed`; on CPU a copy with oneDNN-prepacked, fused weights,
 `nn.packed_linear`, C++ kernels for attention and the per-token steps, `nn.cpu_kernels`, and without
 AMX, for 16-bit weights an fp32 copy for steps of many tokens) with attention through the paged KV cache
-(`nn.paged_attention`); rows that reached their last known token are sampled (`serve.sampling`);
+(`nn.paged_attention`); rows that reached their last known token are sampled (`serve.sampling`; a structured
+output's grammar masks its row first and is advanced by the token drawn, `serve.grammar`);
 outputs are detokenized and checked for stop conditions (`serve.output`); finished requests free
 their blocks. `LLM.generate` adds every prompt and steps until all are done; `serve.engine_process`
 runs the same step in a process of its own for the HTTP server.
@@ -43,6 +44,7 @@ from mlsyslab.nn.fused_decode import FusedDecode
 from mlsyslab.nn.packed_linear import can_pack, packed_for_inference
 from mlsyslab.nn.paged_attention import DecodeSteps, PagedAttention, SequenceSlice
 from mlsyslab.nn.tokenizer import Tokenizer
+from mlsyslab.serve.grammar import Grammars
 from mlsyslab.serve.kv_cache import KVCache
 from mlsyslab.serve.output import Delta, OutputTracker, RequestOutput
 from mlsyslab.serve.request import Request
@@ -90,6 +92,7 @@ class Engine:
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else frozenset()
         self.eos_token_ids = eos_token_ids
+        self.grammars = Grammars(tokenizer, model.config.vocab)
         self.trackers: dict[str, OutputTracker] = {}
         self.arrivals = itertools.count()
         self.seed_source = torch.Generator().manual_seed(0)
@@ -155,10 +158,11 @@ class Engine:
             raise InvalidValue("logit_bias token id", max(token for token, _ in params.logit_bias), f"0..{vocab - 1}")
         if params.stop and self.tokenizer is None:
             raise InvalidValue("stop", params.stop, "none (this engine has no tokenizer to match text)")
+        matcher = self.grammars.matcher(params.structured_output) if params.structured_output is not None else None
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.seed_source))
         request = Request(request_id, list(prompt_ids), params, next(self.arrivals),
                           generator=torch.Generator().manual_seed(seed),
-                          prompt_logprobs=None if params.prompt_logprobs is None else [None])
+                          prompt_logprobs=None if params.prompt_logprobs is None else [None], matcher=matcher)
         self.scheduler.add(request)
         self.trackers[request_id] = OutputTracker(request, self.tokenizer, self.eos_token_ids, max_seq)
         return request
@@ -233,7 +237,8 @@ class Engine:
         self.count(batch, 1)
         self.scheduler.after_step(batch)
         return sample(logits[:len(rows)], [SamplerInput(r.params, r.prompt_ids, r.output_ids, r.generator,
-                                                        self.trackers[r.request_id].stop_ids) for r in sampling], argmax)
+                                                        self.trackers[r.request_id].stop_ids, r.matcher)
+                                           for r in sampling], argmax)
 
     @staticmethod
     def score_prompts(logits: torch.Tensor, scored: list[tuple[Request, range]]) -> None:
@@ -309,6 +314,8 @@ class Engine:
             for index, sampled in enumerate(tokens):
                 if index:  # a multi-step run fed the previous token back: its K/V are in the cache too
                     request.num_computed += 1
+                if request.matcher is not None and not request.matcher.accept_token(sampled.token):
+                    raise RuntimeError(f"{request.request_id}: token {sampled.token} drawn outside its grammar")
                 added, reason = tracker.add(sampled)
                 delta = added if delta is None else delta.then(added)
                 if reason is not None:

@@ -2,9 +2,14 @@
 
 Requests are pydantic models that accept the fields the official `openai` client sends (unknown
 ones are ignored, as OpenAI-compatible servers do); fields we cannot honour (best_of, suffix,
-tools, tool_choice, functions, a response_format other than text: constrained decoding is not
-built) are rejected with a 400 that names them rather than silently ignored. Extensions
-shared with vLLM: top_k, min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids.
+tools, tool_choice, functions) are rejected with a 400 that names them rather than silently ignored.
+Extensions shared with vLLM: top_k, min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids,
+and `structured_outputs`.
+
+Structured outputs (`serve.grammar`), on both endpoints: OpenAI's `response_format` — {"type": "json_object"}
+or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}} — or vLLM's `structured_outputs` with
+one of "json" (a schema), "regex", "choice" (a list of strings), "grammar" (EBNF) or "json_object": true. A
+grammar that does not compile is a 400 naming the field the request used.
 
 One call may ask for several choices: `n` per prompt, and for completions a list of prompts (strings or
 token-id lists). Each choice is one engine request; prompt i's choice j has index i·n + j, and with a
@@ -20,6 +25,7 @@ for log-likelihoods.
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import replace
 from typing import Any, Literal
@@ -28,6 +34,7 @@ from pydantic import BaseModel, ConfigDict
 
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.tokenizer import Tokenizer
+from mlsyslab.serve.grammar import KINDS, StructuredOutput
 from mlsyslab.serve.output import RequestOutput
 from mlsyslab.serve.sampling import Sampled, SamplingParams
 
@@ -60,6 +67,8 @@ class CommonRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
 
     def choices(self, prompts: list[list[int]], max_tokens: int, logprobs: int | None,
                 prompt_logprobs: int | None = None) -> list[Choice]:
@@ -76,7 +85,47 @@ class CommonRequest(BaseModel):
                    if getattr(self, name) is not None}
         return SamplingParams(max_tokens=max_tokens, seed=self.seed, logit_bias=self.bias(),
                               stop=tuple(as_list(self.stop)), stop_token_ids=tuple(self.stop_token_ids or ()),
-                              ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **options)
+                              ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              structured_output=self.structured_output(), **options)
+
+    @property
+    def structured_field(self) -> str:
+        """The API field that asked for a structured output (what a grammar error names)."""
+        return "structured_outputs" if self.structured_outputs else "response_format"
+
+    def structured_output(self) -> StructuredOutput | None:
+        """OpenAI's response_format or vLLM's structured_outputs, as the engine's `StructuredOutput` (or None)."""
+        if self.response_format not in (None, {"type": "text"}) and self.structured_outputs:
+            raise InvalidValue("structured_outputs", self.structured_outputs, "null when response_format is given")
+        if self.structured_outputs:
+            asked = {key: value for key, value in self.structured_outputs.items() if value not in (None, False)}
+            if len(asked) != 1 or next(iter(asked)) not in KINDS:
+                raise InvalidValue("structured_outputs", self.structured_outputs, f"one of {', '.join(KINDS)}")
+            ((kind, spec),) = asked.items()
+        else:
+            kind, spec = self.response_format_kind()
+            if kind is None:
+                return None
+        try:
+            if kind == "choice":
+                return StructuredOutput.choice(spec)
+            text = spec if isinstance(spec, str) or kind == "json_object" else json.dumps(spec)
+            return StructuredOutput(kind, "" if kind == "json_object" else text)
+        except InvalidValue as error:
+            raise InvalidValue(self.structured_field, error.value, error.valid) from None
+
+    def response_format_kind(self) -> tuple[str | None, object]:
+        """response_format as (kind, spec): text -> (None, None), json_object, json_schema -> ("json", schema)."""
+        shape = "{'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', 'json_schema': {'schema': {...}}}"
+        form = self.response_format
+        if form is None or form.get("type") == "text":
+            return None, None
+        if form.get("type") == "json_object":
+            return "json_object", None
+        schema = (form.get("json_schema") or {}).get("schema") if form.get("type") == "json_schema" else None
+        if not isinstance(schema, dict):
+            raise InvalidValue("response_format", form, shape)
+        return "json", schema
 
     def bias(self) -> tuple[tuple[int, float], ...]:
         """logit_bias's {"token id": bias} as (id, bias) pairs."""
@@ -125,7 +174,6 @@ class ChatRequest(CommonRequest):
     tools: list | None = None
     tool_choice: str | dict | None = None
     functions: list | None = None
-    response_format: dict | None = None
 
     def to_engine(self, tokenizer: Tokenizer, max_seq: int, capacity: int) -> list[Choice]:
         """The call's n choices; max_tokens defaults to what is left of the context."""
@@ -145,9 +193,6 @@ class ChatRequest(CommonRequest):
                 raise InvalidValue(name, "...", "null (tool calls are not supported)")
         if self.tool_choice not in (None, "none"):
             raise InvalidValue("tool_choice", self.tool_choice, "null or 'none' (tool calls are not supported)")
-        if self.response_format not in (None, {"type": "text"}):
-            raise InvalidValue("response_format", self.response_format, "null or {'type': 'text'} "
-                               "(constrained decoding is not built)")
         messages = [{"role": m.get("role"), "content": text_content(m.get("content"), index)}
                     for index, m in enumerate(self.messages)]
         if not messages:

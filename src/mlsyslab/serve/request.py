@@ -40,6 +40,7 @@ class Request:
     first_token_s: float | None = None
     generator: torch.Generator | None = None
     prompt_logprobs: list | None = None  # when asked: [None, then a `Sampled` per prompt token scored so far]
+    matcher: object | None = None  # its grammar's state, for a structured output (`serve.grammar`)
 
     @property
     def all_ids(self) -> list[int]:

@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from mlsyslab.errors import MlsysError
+from mlsyslab.errors import InvalidValue, MlsysError
 from mlsyslab.nn.tokenizer import Tokenizer
 from mlsyslab.serve.engine_process import EngineProcess
 from mlsyslab.serve.metrics import EngineMetrics
@@ -95,7 +95,12 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
         choices = body.to_engine(tokenizer, max_seq, capacity)
         call = Call(new_id(prefix), int(time.time()), body.n, [prompt_ids for prompt_ids, _ in choices], choices[0][1])
         requests = [(call.engine_id(index), prompt_ids, params) for index, (prompt_ids, params) in enumerate(choices)]
-        call.stream = await engine.submit(requests)
+        try:
+            call.stream = await engine.submit(requests)
+        except InvalidValue as error:  # the engine compiles a structured output's grammar: name the API's field
+            if not error.field.startswith("structured_output"):
+                raise
+            raise InvalidValue(body.structured_field, error.value, error.valid) from None
         return call
 
     async def events(call: Call, body, kind: str, render, first: dict | None = None):
