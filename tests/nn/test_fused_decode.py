@@ -235,3 +235,35 @@ def test_engine_outputs_are_the_same_with_and_without_the_fused_decode(dtype):
         engine.check()
         outputs.append({output.request_id: output.output_ids for output in finished})
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("draft_at", [[0], [1, 2]])
+def test_a_speculative_drafts_rows_read_each_others_keys_and_values(dtype, draft_at, plan):
+    """A draft verified as one-token rows of one sequence (`PagedAttention.rows_extend_sequences`): each row reads
+    the K/V the rows before it write in the same step. The fused step writes them all before any attention reads
+    (one more barrier a layer): equal to the Python layers bit for bit, and to one prefill chunk of the same
+    positions within rounding; other sequences' rows beside them unchanged."""
+    context_lens = [5, 16, 17, 40]
+    model = serving_model(dtype)
+    fused = FusedDecode(model)
+    k_cache, v_cache, slices, ids, positions = decode_case(dtype, context_lens, num_blocks=64, ahead=4)
+    rows_slices, rows_ids, rows_positions, chunks = [], [], [], []
+    for index, seq in enumerate(slices):
+        extra = 4 if index in draft_at else 0  # the sequence's last token and a draft of 4: 5 rows
+        new = torch.randint(CONFIG.vocab, (extra,), generator=torch.Generator().manual_seed(index)).tolist()
+        rows_slices += [SequenceSlice(1, seq.context_len + j, seq.block_table) for j in range(extra + 1)]
+        rows_ids += [int(ids[index])] + new
+        rows_positions += range(seq.context_len - 1, seq.context_len + extra)
+        chunks.append(SequenceSlice(extra + 1, seq.context_len + extra, seq.block_table))
+    rows_ids, rows_positions = torch.tensor(rows_ids), torch.tensor(rows_positions)
+    rows = torch.arange(len(rows_ids))
+    with torch.inference_mode():
+        caches = [(k_cache.clone(), v_cache.clone()) for _ in range(3)]
+        expected = model.forward_packed(rows_ids, rows_positions, PagedAttention(*caches[0], rows_slices, True), rows)
+        chunked = model.forward_packed(rows_ids, rows_positions, PagedAttention(*caches[1], chunks), rows)
+        got, _ = fused(rows_ids, rows_positions, PagedAttention(*caches[2], rows_slices, True), rows)
+    assert torch.equal(got, expected)
+    assert torch.equal(caches[2][0], caches[0][0]) and torch.equal(caches[2][1], caches[0][1])
+    tolerance = 1e-4 if dtype == torch.float32 else 0.1
+    assert torch.allclose(got.float(), chunked.float(), atol=tolerance, rtol=0)

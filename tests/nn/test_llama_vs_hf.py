@@ -174,3 +174,30 @@ def test_structured_outputs_equal_transformers_with_xgrammars_logits_processor(m
         assert output.output_ids == expected, question
         assert output.finish_reason == "stop" and complete(output.text), (question, output.text)
     llm.engine.check()
+
+
+COPY_TASKS = [  # outputs that copy their prompts, where n-gram drafts are kept
+    "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank.",
+    "Correct the spelling and repeat the text: Paged atention stores the KV cache in fixed-size blocks of memmory.",
+    "Copy this list: apples, oranges, bananas, grapes, pears, plums, cherries.",
+]
+
+
+def test_speculative_greedy_equals_transformers_prompt_lookup_decoding(models):
+    """Greedy with n-gram drafts of 4 tokens, in a mixed batch with prefill chunks, equals transformers' `generate`
+    with `prompt_lookup_num_tokens=4` (its prompt lookup decoding, whose greedy output is plain greedy's), token for
+    token; most steps keep some of their draft."""
+    ours, tokenizer, theirs = models
+    prompts = [tokenizer.chat_ids([{"role": "user", "content": task}]) for task in COPY_TASKS]
+    llm = LLM(ours, tokenizer, config=EngineConfig(kv_cache_bytes=100_000_000, max_batched_tokens=32,
+                                                   speculative_tokens=4))
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0))
+    for prompt, output in zip(prompts, outputs):
+        with torch.no_grad():
+            expected = theirs.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40,
+                                       prompt_lookup_num_tokens=4,
+                                       eos_token_id=sorted(tokenizer.eos_token_ids))[0, len(prompt):].tolist()
+        assert output.output_ids == expected, tokenizer.decode(output.output_ids)
+    generated = sum(len(output.output_ids) for output in outputs)
+    assert llm.engine.accepted_draft_tokens > generated / 3, (llm.engine.accepted_draft_tokens, llm.engine.draft_tokens)
+    llm.engine.check()

@@ -19,6 +19,9 @@ def test_generate_json(capsys, monkeypatch):
     report = json.loads(out)
     assert report["text"] == "The capital of France is Paris." and report["finish_reason"] == "stop"
     assert report["completion_tokens"] == 8 and report["decode_tokens_per_s"] > 0
+    code, out, err = run(capsys, monkeypatch, "generate", "What is the capital of France?", "--threads", "2", "--json",
+                         "--speculative-tokens", "4")
+    assert code == 0 and json.loads(out)["text"] == report["text"], err
 
 
 @pytest.mark.parametrize("args, field", [(["generate", "hi", "--dtype", "fp16"], "--dtype"),
@@ -27,6 +30,7 @@ def test_generate_json(capsys, monkeypatch):
                                          (["serve", "--port", "70000"], "--port"),
                                          (["serve", "--kv-cache-gb", "0"], "--kv-cache-gb"),
                                          (["serve", "--decode-steps", "0"], "--decode-steps"),
+                                         (["serve", "--speculative-tokens", "-1"], "--speculative-tokens"),
                                          (["bench", "serve", "--url", "http://127.0.0.1:9/v1", "--hardware", "local"], "--hardware"),
                                          (["bench", "serve", "--hardware", "no-such-chip"], "no-such-chip"),
                                          (["bench", "serve", "--no-stream"], "--no-stream"),

@@ -71,11 +71,13 @@ request_strategy = st.tuples(
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=st.lists(request_strategy, min_size=1, max_size=6), block_size=st.sampled_from([2, 4, 8]),
        spare_blocks=st.integers(0, 12), budget=st.integers(1, 48), prefix_cache=st.booleans(),
-       scored=st.booleans(), seed=st.integers(0, 2**16))
+       scored=st.booleans(), speculative=st.sampled_from([0, 3]), seed=st.integers(0, 2**16))
 def test_every_request_finishes_or_aborts_with_batch_1_output_and_no_leak(requests, block_size, spare_blocks,
-                                                                          budget, prefix_cache, scored, seed):
+                                                                          budget, prefix_cache, scored, speculative,
+                                                                          seed):
     """... and every prompt asked to be scored (`prompt_logprobs`) is scored as one pass of the training path
-    scores it, whatever its chunks, cached prefix or preemptions."""
+    scores it, whatever its chunks, cached prefix or preemptions; with speculative decoding too (n-gram drafts of
+    up to 3 tokens: greedy outputs unchanged)."""
     import random
 
     rng = random.Random(seed)
@@ -88,8 +90,10 @@ def test_every_request_finishes_or_aborts_with_batch_1_output_and_no_leak(reques
     largest = max(-(-(len(p) + m) // block_size) for _, p, m, _ in arrivals)
     engine = Engine(MODEL, config=EngineConfig(kv_cache_bytes=(largest + spare_blocks) * block_bytes(block_size),
                                                block_size=block_size, max_batched_tokens=budget,
-                                               prefix_cache=prefix_cache))
+                                               prefix_cache=prefix_cache, speculative_tokens=speculative, ngram_min=1,
+                                               speculative_max_rows=32))
     finished, aborted = run(engine, arrivals, scored=scored)
+    event(f"draft tokens kept: {engine.accepted_draft_tokens > 0}")
     event(f"preempted: {engine.scheduler.preemptions > 0}")
     event(f"aborted: {bool(aborted)}")
     event(f"prefix hits: {bool(engine.scheduler.radix and engine.scheduler.radix.hit_tokens)}")

@@ -101,7 +101,8 @@ def test_models_health_metrics(client, server):
     assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
     metrics = httpx.get(server[0] + "/metrics").text
     for name in ("mlsys_requests_waiting", "mlsys_kv_blocks_used", "mlsys_prefix_cache_hit_rate",
-                 "mlsys_time_to_first_token_seconds_bucket", "mlsys_time_per_output_token_seconds_count"):
+                 "mlsys_time_to_first_token_seconds_bucket", "mlsys_time_per_output_token_seconds_count",
+                 "mlsys_spec_accepted_tokens"):
         assert name in metrics
 
 

@@ -26,6 +26,8 @@ CacheDir = Annotated[Optional[Path], typer.Option("--cache-dir", help="where con
 KvCacheGB = Annotated[float, typer.Option("--kv-cache-gb", help="KV cache budget, GB (1e9 bytes)")]
 BatchedTokens = Annotated[Optional[int], typer.Option("--max-batched-tokens", help="tokens per step (chunked prefill "
                                                       "budget; default: the engine's, 2048)")]
+SpeculativeTokens = Annotated[int, typer.Option("--speculative-tokens", help="n-gram draft tokens a decode verifies per "
+                                                "step (speculative decoding by prompt lookup; 0: off)")]
 
 
 def serve_command(
@@ -39,7 +41,7 @@ def serve_command(
     decode_steps: Annotated[Optional[int], typer.Option(
         "--decode-steps", help="decode steps one call may run while nobody waits (multi-step decoding; "
         "1: off; default: the engine's, 8)")] = None,
-    cache_dir: CacheDir = None,
+    speculative_tokens: SpeculativeTokens = 0, cache_dir: CacheDir = None,
 ):
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     import uvicorn
@@ -48,7 +50,7 @@ def serve_command(
 
     check_range("--port", port, 0, 65535)
     config = engine_config(kv_cache_gb, block_size, max_batched_tokens, max_running, max_waiting, prefix_cache,
-                           decode_steps)
+                           decode_steps, speculative_tokens)
     start = time.perf_counter()
     load_model, load_tokenizer, name = loaders(model, dtype, threads, cache_dir)
     app, engine = build_server(load_model, load_tokenizer, name, config, threads or serving_threads())
@@ -68,7 +70,8 @@ def generate_command(
     top_k: Annotated[int, typer.Option(help="sample among the k most likely (0: off)")] = 0,
     seed: Annotated[Optional[int], typer.Option(help="random seed (same seed, same text)")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="complete the text as is, without the chat template")] = False,
-    dtype: ServeDtype = "fp32", threads: Threads = None, cache_dir: CacheDir = None, json: Json = False,
+    dtype: ServeDtype = "fp32", threads: Threads = None, speculative_tokens: SpeculativeTokens = 0,
+    cache_dir: CacheDir = None, json: Json = False,
 ):
     """Generate a reply to one prompt in process, and say how fast."""
     from mlsyslab.serve.engine import LLM
@@ -76,7 +79,7 @@ def generate_command(
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     loaded, tokenizer, name = load(model, dtype, threads, cache_dir)
-    llm = LLM(loaded, tokenizer, config=engine_config(0.2, 16, 512, 1, 1, False))
+    llm = LLM(loaded, tokenizer, config=engine_config(0.2, 16, 512, 1, 1, False, speculative_tokens=speculative_tokens))
     start = time.perf_counter()
     if raw:
         (output,) = llm.generate([prompt], params)
@@ -107,7 +110,7 @@ def serving_threads() -> int:
 
 
 def engine_config(kv_cache_gb, block_size, max_batched_tokens, max_running, max_waiting, prefix_cache,
-                  decode_steps=None):
+                  decode_steps=None, speculative_tokens=0):
     from mlsyslab.serve.engine import EngineConfig
 
     if max_batched_tokens is None:
@@ -118,9 +121,11 @@ def engine_config(kv_cache_gb, block_size, max_batched_tokens, max_running, max_
                    max_waiting=max_waiting, decode_steps=decode_steps)
     if not kv_cache_gb > 0:
         raise InvalidValue("--kv-cache-gb", kv_cache_gb, "> 0")
+    if speculative_tokens < 0:
+        raise InvalidValue("--speculative-tokens", speculative_tokens, ">= 0 (0: off)")
     return EngineConfig(kv_cache_bytes=int(kv_cache_gb * 1e9), block_size=block_size,
                         max_batched_tokens=max_batched_tokens, max_running=max_running, max_waiting=max_waiting,
-                        prefix_cache=prefix_cache, decode_steps=decode_steps)
+                        prefix_cache=prefix_cache, decode_steps=decode_steps, speculative_tokens=speculative_tokens)
 
 
 def loaders(model: str, dtype: str, threads: int | None, cache_dir: Path | None):

@@ -15,7 +15,8 @@ rows, so the logits are bit-equal to the Python path's (tests/nn/test_fused_deco
   fork/joins and ~600 tensor allocations gone);
 - otherwise `decode_layers` calls each kernel as an ATen op, and the final norm and logits run here.
 
-It applies to steps that only decode (one new token per sequence) with the paged kernel reading the
+It applies to steps that only decode (one new token per sequence, or a speculative draft's consecutive positions
+of one sequence as one-token rows: `PagedAttention.rows_extend_sequences`) with the paged kernel reading the
 cache (`PagedAttention.in_place`); the engine (`serve.engine`) takes the Python path for every other
 step — prefill chunks, where the matmuls dwarf the overhead.
 """
@@ -86,7 +87,8 @@ class FusedDecode:
             logits, tokens = self.streamed(input_ids, positions[None], attention.k_cache, attention.v_cache,
                                            attention.slot_mapping[None], attention.decode_tables,
                                            attention.decode_lengths[None], logits_rows, temperature,
-                                           torch.zeros(1, len(logits_rows), dtype=torch.float64))
+                                           torch.zeros(1, len(logits_rows), dtype=torch.float64),
+                                           attention.rows_extend_sequences)
             return logits, tokens[0]
         hidden = ops.decode_layers(
             model.embed_tokens(input_ids), self.cos[positions], self.sin[positions], self.norms, plan.weights,
@@ -111,14 +113,15 @@ class FusedDecode:
                              steps.lengths, torch.arange(len(input_ids)), temperature, uniform)[1]
 
     def streamed(self, input_ids, positions, k_cache, v_cache, slots, tables, lengths, logits_rows, temperature,
-                 uniform) -> tuple[torch.Tensor, torch.Tensor]:
-        """`streamed_decode` (csrc/streamed_decode.cpp) on this model: positions, slots, lengths [steps, rows]."""
+                 uniform, writes_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """`streamed_decode` (csrc/streamed_decode.cpp) on this model: positions, slots, lengths [steps, rows];
+        `writes_first` where rows read each other's K/V (`PagedAttention.rows_extend_sequences`)."""
         model, config = self.model, self.model.config
         plan = self.plan(len(input_ids))
         return cpu_kernels.load().streamed_decode(
             model.embed_tokens.weight, input_ids, positions, self.cos, self.sin, self.norms, plan.weights,
             model.norm.weight, plan.head_weight, config.vocab, k_cache, v_cache, slots, tables, lengths, logits_rows,
-            temperature, uniform, config.heads, config.ffn_hidden, config.rms_norm_eps)
+            temperature, uniform, config.heads, config.ffn_hidden, config.rms_norm_eps, writes_first)
 
     def plan(self, rows: int) -> StepPlan:
         """The kernels and weights of a step of `rows` tokens (computed once per row count)."""

@@ -51,9 +51,13 @@ class SequenceSlice:
 class PagedAttention:
     """The `attention` argument of `Llama.forward_packed`, for one step over a paged KV cache."""
 
-    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, sequences: list[SequenceSlice]):
-        """k_cache, v_cache: [layers, kv_heads, num_blocks, block_size, head_dim]; `sequences` in packed order."""
-        self.k_cache, self.v_cache = k_cache, v_cache
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, sequences: list[SequenceSlice],
+                 rows_extend_sequences: bool = False):
+        """k_cache, v_cache: [layers, kv_heads, num_blocks, block_size, head_dim]; `sequences` in packed order.
+        rows_extend_sequences: some one-token slices are consecutive positions of one sequence (a speculative draft
+        verified as decodes, `serve.speculative`), each reading the K/V the earlier ones write this step — as this
+        path always writes every slot before attending, and the fused step does when told (`nn.fused_decode`)."""
+        self.k_cache, self.v_cache, self.rows_extend_sequences = k_cache, v_cache, rows_extend_sequences
         block_size = k_cache.shape[3]
         device = k_cache.device
         slots, decode_rows, decode_tables, decode_lens, self.prefills = [], [], [], [], []

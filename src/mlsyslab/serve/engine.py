@@ -23,7 +23,9 @@ tokens the kernel can pick (greedy, or temperature sampling without top-k / top-
 run up to `EngineConfig.decode_steps` steps in that call (multi-step decoding, `Engine.steps_ahead`; with the
 weights and KV pool on huge pages, bf16 batch 1 on the AVX2 host went from 73-78% to 77-84% of the decode
 roofline over HTTP, against a stricter roofline: benchmarks/README.md).
-Not done: speculative decoding, CUDA graphs / torch.compile, tensor parallelism across processes.
+With `EngineConfig.speculative_tokens` a decode may verify an n-gram draft of its own context in the same step, as
+one-token rows (`serve.speculative`). Not done: draft-model speculation, CUDA graphs / torch.compile, tensor
+parallelism across processes.
 Tested in tests/serve/test_engine.py (greedy equal to HF transformers at batch 1 and mixed batches).
 """
 
@@ -50,6 +52,7 @@ from mlsyslab.serve.output import Delta, OutputTracker, RequestOutput
 from mlsyslab.serve.request import Request
 from mlsyslab.serve.sampling import Sampled, SamplerInput, SamplingParams, picked_in_step, sample, score
 from mlsyslab.serve.scheduler import Scheduled, Scheduler
+from mlsyslab.serve.speculative import propose, verify
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,10 @@ class EngineConfig:
     decode_steps: int = 8  # decodes may run up to this many steps in one call while nobody waits
     # (multi-step decoding; 1: off); see `steps_ahead`
     decode_ahead_s: float = 0.1  # ... and only as many as take about this long (what an arrival may wait)
+    speculative_tokens: int = 0  # n-gram draft tokens a decode may verify per step (`serve.speculative`; 0: off)
+    speculative_max_rows: int = 8  # ... while the step has at most this many rows with them (see `drafts`)
+    ngram_max: int = 3  # ... looked up after the longest of the request's last ngram_max..ngram_min tokens found
+    ngram_min: int = 2  # earlier in its prompt and output
 
 
 class Engine:
@@ -81,6 +88,12 @@ class Engine:
             raise InvalidValue("decode_steps", config.decode_steps, ">= 1 (1: one step per call)")
         if not config.decode_ahead_s >= 0:
             raise InvalidValue("decode_ahead_s", config.decode_ahead_s, ">= 0 seconds")
+        if config.speculative_tokens < 0:
+            raise InvalidValue("speculative_tokens", config.speculative_tokens, ">= 0 (0: off)")
+        if config.speculative_max_rows < 1:
+            raise InvalidValue("speculative_max_rows", config.speculative_max_rows, ">= 1")
+        if not 1 <= config.ngram_min <= config.ngram_max:
+            raise InvalidValue("ngram_min..ngram_max", f"{config.ngram_min}..{config.ngram_max}", "1 <= ngram_min <= ngram_max")
         self.source_model, self.tokenizer, self.config = model.eval(), tokenizer, config
         self.model, self.fused_decode = self.serving_copy(model)
         self.wide_model, self.wide_from = self.wide_step_model(model)
@@ -97,6 +110,7 @@ class Engine:
         self.arrivals = itertools.count()
         self.seed_source = torch.Generator().manual_seed(0)
         self.steps = self.prefill_tokens = self.decode_tokens = 0
+        self.draft_tokens = self.accepted_draft_tokens = 0  # speculative decoding's guesses, and those kept
         self.decode_step_s: dict[int, float] = {}  # the last decode step's seconds, by rows (`steps_ahead`)
 
     def serving_copy(self, model: Llama, min_rows: int = 1) -> tuple[Llama, FusedDecode | None]:
@@ -200,29 +214,62 @@ class Engine:
         if not batch:
             return [], []
         sampling = [item.request for item in batch if item.samples]
-        steps = self.steps_ahead(batch)
-        drawn = self.decode_ahead(batch, steps) if steps > 1 else [[token] for token in self.one_step(batch, sampling)]
+        drafts = self.drafts(batch)
+        steps = 1 if drafts else self.steps_ahead(batch)
+        drawn = self.decode_ahead(batch, steps) if steps > 1 else self.one_step(batch, sampling, drafts)
         return self.deliver(sampling, drawn)
 
-    def one_step(self, batch: list[Scheduled], sampling: list[Request]) -> list[Sampled]:
-        """One model step over the batch's tokens packed in a row; the sampling requests' next tokens. Rows of
-        prompt positions whose request asked for the prompt's log-probabilities also get their logits
-        (`score_prompts`)."""
-        ids, positions, slices, rows, prompt_rows, scored = [], [], [], [], [], []
+    def drafts(self, batch: list[Scheduled]) -> dict[str, list[int]]:
+        """Speculative decoding (`serve.speculative`): each decode's n-gram draft, by request id, for the decodes that
+        may speculate and have one — no further than max_tokens and the context allow, only where free blocks hold
+        the draft's K/V, and only while the step keeps at most `speculative_max_rows` rows: a step of a few rows is
+        bound by reading the weights, so extra rows cost little (here, fp32 batch 1: 17 ms a step of one row, 24 of
+        five), while a wider one pays for every row (drafts of 4 at 16 in flight lost 0-20% of the throughput of
+        free answers, benchmarks/README.md). The default, 8, is the fp32 panel kernel's row block."""
+        k = self.config.speculative_tokens
+        if not k:
+            return {}
+        rows = sum(item.num_tokens for item in batch)
+        budget = min(self.config.max_batched_tokens, self.config.speculative_max_rows) - rows
+        drafts = {}
+        for item in batch:
+            request = item.request
+            most = min(k, budget, request.params.max_tokens - len(request.output_ids) - 1,
+                       self.model.config.max_seq - request.num_tokens - 1)
+            if most < 1 or item.num_tokens != 1 or not item.samples or not picked_in_step(request.params):
+                continue
+            draft = propose(request.all_ids, most, self.config.ngram_max, self.config.ngram_min)
+            if draft and self.scheduler.reserve_ahead([request], 1 + len(draft)):
+                drafts[request.request_id] = draft
+                budget -= len(draft)
+        return drafts
+
+    def one_step(self, batch: list[Scheduled], sampling: list[Request], drafts: dict[str, list[int]]
+                 ) -> list[list[Sampled]]:
+        """One model step over the batch's tokens packed in a row; the sampling requests' next tokens (one each, or
+        up to 1 + its draft's for a request that speculates: `serve.speculative.verify`). Rows of prompt positions
+        whose request asked for the prompt's log-probabilities also get their logits (`score_prompts`)."""
+        ids, positions, slices, rows, prompt_rows, scored, spans = [], [], [], [], [], [], []
         for item in batch:
             request, start = item.request, item.request.num_computed
-            ids += request.all_ids[start:start + item.num_tokens]
-            positions += range(start, start + item.num_tokens)
-            slices.append(SequenceSlice(item.num_tokens, start + item.num_tokens, request.blocks))
-            if item.samples:
-                rows.append(len(ids) - 1)
+            draft = drafts.get(request.request_id, [])
+            count = item.num_tokens + len(draft)
+            ids += request.all_ids[start:start + item.num_tokens] + draft
+            positions += range(start, start + count)
+            if draft:  # the last token and the draft as one-token rows, each reading the K/V of those before it
+                slices += [SequenceSlice(1, start + 1 + j, request.blocks) for j in range(count)]
+            else:
+                slices.append(SequenceSlice(count, start + count, request.blocks))
+            if item.samples:  # its rows: the last token's, then each draft token's
+                spans.append((len(rows), 1 + len(draft)))
+                rows += range(len(ids) - 1 - len(draft), len(ids))
             if request.prompt_scored_to is not None:  # position p's row is first_row + p
                 first_row = len(ids) - item.num_tokens - start
                 chunk = range(max(request.prompt_scored_to, start), min(start + item.num_tokens, len(request.prompt_ids) - 1))
                 prompt_rows += [first_row + p for p in chunk]
                 scored.append((request, chunk))
         device = self.kv.k.device
-        attention = PagedAttention(self.kv.k, self.kv.v, slices)
+        attention = PagedAttention(self.kv.k, self.kv.v, slices, rows_extend_sequences=bool(drafts))
         model = self.model_for(len(ids))
         fused = (model is self.model and self.fused_decode is not None and not attention.prefills and attention.in_place
                  and not prompt_rows)
@@ -236,9 +283,20 @@ class Engine:
             self.score_prompts(logits[len(rows):], scored)
         self.count(batch, 1)
         self.scheduler.after_step(batch)
-        return sample(logits[:len(rows)], [SamplerInput(r.params, r.prompt_ids, r.output_ids, r.generator,
-                                                        self.trackers[r.request_id].stop_ids, r.matcher)
-                                           for r in sampling], argmax)
+        inputs = [SamplerInput(r.params, r.prompt_ids, r.output_ids, r.generator, self.trackers[r.request_id].stop_ids,
+                               r.matcher) for r in sampling]
+        if not drafts:
+            return [[token] for token in sample(logits[:len(rows)], inputs, argmax)]
+        plain = [i for i, request in enumerate(sampling) if request.request_id not in drafts]
+        drawn = dict(zip(plain, [[token] for token in sample(logits[[spans[i][0] for i in plain]],
+                                                             [inputs[i] for i in plain])])) if plain else {}
+        for i, request in enumerate(sampling):
+            if i not in drawn:
+                first, count = spans[i]
+                drawn[i] = verify(logits[first:first + count], drafts[request.request_id], inputs[i])
+                self.draft_tokens += count - 1
+                self.accepted_draft_tokens += len(drawn[i]) - 1
+        return [drawn[i] for i in range(len(sampling))]
 
     @staticmethod
     def score_prompts(logits: torch.Tensor, scored: list[tuple[Request, range]]) -> None:

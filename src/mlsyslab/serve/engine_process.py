@@ -50,6 +50,8 @@ class EngineStats:
     decode_tokens: int = 0
     capacity_tokens: int = 0
     max_seq: int = 0
+    draft_tokens: int = 0  # speculative decoding's draft tokens verified so far
+    accepted_draft_tokens: int = 0  # ... and those kept
 
     @classmethod
     def of(cls, engine) -> EngineStats:
@@ -57,7 +59,7 @@ class EngineStats:
         return cls(len(scheduler.waiting), len(scheduler.running), kv.num_used, kv.num_blocks,
                    radix.num_nodes if radix else 0, radix.hit_rate() if radix else 0.0, scheduler.preemptions,
                    engine.steps, engine.prefill_tokens, engine.decode_tokens, scheduler.capacity_tokens,
-                   engine.model.config.max_seq)
+                   engine.model.config.max_seq, engine.draft_tokens, engine.accepted_draft_tokens)
 
     @property
     def idle(self) -> bool:

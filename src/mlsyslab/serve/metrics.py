@@ -28,7 +28,9 @@ class EngineMetrics:
                   ("mlsys_kv_blocks_used", "KV blocks in use (requests and prefix cache)", "kv_blocks_used"),
                   ("mlsys_kv_blocks_total", "KV blocks in the pool", "kv_blocks_total"),
                   ("mlsys_prefix_cache_hit_rate", "prompt tokens found in the prefix cache / looked up", "prefix_hit_rate"),
-                  ("mlsys_preemptions", "requests preempted so far", "preemptions"))
+                  ("mlsys_preemptions", "requests preempted so far", "preemptions"),
+                  ("mlsys_spec_draft_tokens", "speculative draft tokens verified so far", "draft_tokens"),
+                  ("mlsys_spec_accepted_tokens", "speculative draft tokens kept so far", "accepted_draft_tokens"))
         for name, help_text, field in gauges:
             Gauge(name, help_text, registry=registry).set_function(lambda field=field: getattr(self.stats(), field))
         self.ttft = Histogram("mlsys_time_to_first_token_seconds", "arrival to first token", buckets=LATENCY_BUCKETS_S, registry=registry)

@@ -96,6 +96,7 @@ struct Step {
   const float* temperature;  // [logit_rows]: 0 takes the largest logit, else a draw from softmax(logits / T)
   const double* uniform;     // [steps, logit_rows]: each draw's uniform
   int64_t* picked;           // [steps, logit_rows]: each step's tokens
+  bool writes_first;         // rows that extend one sequence (a speculative draft) read each other's K/V
 
   // The inputs of step `step` of a run: its positions, slots and context lengths (a copy of pointers and sizes).
   Step at(int64_t step) const {
@@ -210,8 +211,14 @@ void layer(const Step<T>& s, int64_t l, Scratch<T>& own, int t, int threads) {
   norm_rows(s, s.norms[2 * l], own.normed.data(), s.tokens);
   product(s, 4 * l, own.normed.data(), s.tokens, s.hidden, attention_width + 2 * s.kv_heads * d, s.qkv, t, threads);
 #pragma omp barrier
+  if (s.writes_first) {  // a row may read the K/V another row writes: every write before any read (one more barrier)
+    for (int64_t unit = units.begin; unit < units.end; ++unit) {
+      if (unit % 2) rope_and_cache(s, l, unit / 2, own.rotated.data());
+    }
+#pragma omp barrier
+  }
   for (int64_t unit = units.begin; unit < units.end; ++unit) {
-    if (unit % 2) rope_and_cache(s, l, unit / 2, own.rotated.data());
+    if (unit % 2 && !s.writes_first) rope_and_cache(s, l, unit / 2, own.rotated.data());
     roped_queries(s, unit / 2, unit % 2 ? attention.part_query_offset : 0, own.rotated.data());
   }
   paged_decode_units(attention, units.begin, units.end);
@@ -308,7 +315,9 @@ namespace mlsyslab {
 // embedding [vocab, hidden]; cos, sin: the rope rows of every position [positions, head_dim]; norms: 2 per
 // layer; tiles: 4 per layer (qkv, o, gate|up, down), from stream_pack; caches
 // [layers, kv_heads, num_blocks, block_size, head_dim]; tables [tokens, blocks] cover the last step; one new token per
-// sequence a step.
+// sequence a step, unless `writes_first`: then rows may be consecutive positions of one sequence (a speculative
+// draft verified in one step), each reading the K/V the earlier ones write, so every row's K/V is written before
+// any row's attention reads (one step only).
 std::tuple<at::Tensor, at::Tensor> streamed_decode(
                            const at::Tensor& embedding, const at::Tensor& input_ids, const at::Tensor& positions,
                            const at::Tensor& cos, const at::Tensor& sin,
@@ -316,7 +325,7 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
                            const at::Tensor& head_tiles, int64_t vocab, at::Tensor k_cache, at::Tensor v_cache,
                            const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lengths,
                            const at::Tensor& logit_rows, const at::Tensor& temperature, const at::Tensor& uniform,
-                           int64_t heads, int64_t ffn, double eps) {
+                           int64_t heads, int64_t ffn, double eps, bool writes_first) {
   check_float_or_bf16(embedding, "embedding");
   const auto dtype = embedding.scalar_type();
   TORCH_CHECK(embedding.dim() == 2 && embedding.is_contiguous() && embedding.size(0) >= vocab,
@@ -378,6 +387,7 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
     TORCH_CHECK(steps == 1 || row == i, "logit_rows[", i, "] = ", row, ": a run of ", steps,
                 " steps feeds every row's token back, so logit_rows must be 0..tokens-1");
   }
+  TORCH_CHECK(!writes_first || steps == 1, "writes_first: rows that read each other's K/V run one step");
   TORCH_CHECK(steps == 1 || logit_rows.size(0) == tokens, "logit_rows: every row (0..", tokens - 1, ") in a run of ",
               steps, " steps");
   TORCH_CHECK(temperature.dim() == 1 && temperature.size(0) == logit_rows.size(0) &&
@@ -426,7 +436,7 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
                              float(1.0 / std::sqrt(double(head_dim))), tokens * heads * head_dim},
               h.data_ptr<T>(), qkv.data_ptr<T>(), act.data_ptr<T>(), logits.data_ptr<T>(), query.data_ptr<float>(),
               best_logit.data(), best_column.data(), temperature.data_ptr<float>(), uniform.data_ptr<double>(),
-              picked.data_ptr<int64_t>()};
+              picked.data_ptr<int64_t>(), writes_first};
     run(s, max_threads);
   };
   if (dtype == at::kFloat) fill(float{});
@@ -440,6 +450,6 @@ TORCH_LIBRARY_FRAGMENT(mlsyslab, m) {
   m.def("streamed_decode(Tensor embedding, Tensor input_ids, Tensor positions, Tensor cos, Tensor sin, Tensor[] norms, "
         "Tensor[] tiles, Tensor final_norm, Tensor head_tiles, int vocab, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slots, Tensor tables, Tensor lengths, Tensor logit_rows, Tensor temperature, Tensor uniform, int heads, "
-        "int ffn, float eps) -> "
+        "int ffn, float eps, bool writes_first=False) -> "
         "(Tensor, Tensor)", &mlsyslab::streamed_decode);
 }
