@@ -48,11 +48,13 @@ def free_port() -> int:
 
 
 def test_serve_answers_the_openai_client():
-    """`mlsys serve` as deployed: its own process (and the engine's); startup is timed in benchmarks/serve.py."""
+    """`mlsys serve` as deployed: its own process (and the engine's); startup is timed in benchmarks/serve.py. With
+    speculative decoding on: the greedy answer is the same, and a reply that copies its prompt keeps drafts."""
     port = free_port()
     start = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-m", "mlsyslab", "serve", "--port", str(port), "--threads", "2",
-                                "--kv-cache-gb", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                "--kv-cache-gb", "0.2", "--speculative-tokens", "4"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         url = f"http://127.0.0.1:{port}"
         while time.perf_counter() - start < 120:
@@ -65,6 +67,12 @@ def test_serve_answers_the_openai_client():
         reply = client.chat.completions.create(model="default", max_tokens=20, temperature=0,
                                                messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert reply.choices[0].message.content == "The capital of France is Paris."
+        sentence = "The quick brown fox jumps over the lazy dog near the river bank."
+        copied = client.chat.completions.create(model="default", max_tokens=30, temperature=0, messages=[
+            {"role": "user", "content": f"Repeat this sentence exactly: {sentence}"}])
+        assert copied.choices[0].message.content.startswith("The quick brown fox")
+        kept = [line for line in httpx.get(url + "/metrics").text.splitlines() if line.startswith("mlsys_spec_accepted")]
+        assert float(kept[0].split()[-1]) > 0, kept
     finally:
         process.terminate()
         process.wait(timeout=20)
