@@ -80,6 +80,32 @@ def test_a_template_kept_in_tokenizer_config_and_named_special_tokens(tmp_path):
     assert ours.eos_token_ids == {2}
 
 
+def test_tools_and_earlier_tool_calls_reach_the_template_as_transformers_passes_them(tmp_path):
+    """A template that shows the tools (by name) and an assistant's earlier calls: the same ids as transformers'."""
+    from transformers import AutoTokenizer
+
+    vocab = {"[UNK]": 0, "</s>": 1, "tools": 2, "weather": 3, "clock": 4, "user": 5, "hi": 6, "assistant": 7,
+             "calls": 8, "tool": 9, "sunny": 10}
+    backend = Backend(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.save(str(tmp_path / "tokenizer.json"))
+    template = ("{% if tools %}tools {% for t in tools %}{{ t['function']['name'] }} {% endfor %}{% endif %}"
+                "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% if m['tool_calls'] %}calls "
+                "{% for c in m['tool_calls'] %}{{ c['function']['name'] }} {% endfor %}{% endif %}{% endfor %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                                "eos_token": "</s>", "chat_template": template}))
+    tools = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+             for name in ("weather", "clock")]
+    chat = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "weather",
+                                                                                                   "arguments": "{}"}}]},
+            {"role": "tool", "content": "sunny"}]
+    expected = AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(chat, tools=tools, tokenize=True)
+    ours = Tokenizer(tmp_path).chat_ids(chat, add_generation_prompt=False, tools=tools)
+    assert ours == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert ours[:3] == [2, 3, 4] and 8 in ours
+
+
 def test_refuses_a_folder_without_tokenizer_json_or_a_chat_without_template(tmp_path):
     with pytest.raises(InvalidValue, match="model folder.*tokenizer.json"):
         Tokenizer(tmp_path)

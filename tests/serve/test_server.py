@@ -185,6 +185,86 @@ def test_a_structured_output_that_cannot_be_honoured_is_a_400_naming_its_field(s
     assert stats.idle and stats.kv_blocks_used == stats.prefix_cache_blocks
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"timezone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["timezone"], "additionalProperties": False}}}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def streamed_tool_calls(chunks) -> tuple[list[dict], str]:
+    """Tool calls put together from stream chunks as a client does (by index), and the last finish_reason."""
+    calls, reason = {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            reason = choice.finish_reason or reason
+            for part in choice.delta.tool_calls or []:
+                call = calls.setdefault(part.index, {"name": "", "arguments": ""})
+                call["name"] += part.function.name or ""
+                call["arguments"] += part.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], reason
+
+
+def test_a_named_tool_choice_returns_that_functions_arguments_streamed_and_not(client):
+    options = dict(model="SmolLM2-135M-Instruct", messages=WEATHER_QUESTION, tools=[WEATHER, CLOCK], max_tokens=40,
+                   temperature=0, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = client.chat.completions.create(**options).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
+    calls, reason = streamed_tool_calls(client.chat.completions.create(**options, stream=True))
+    assert calls == [{"name": "get_weather", "arguments": call.function.arguments}] and reason == "tool_calls"
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_required_tool_calls_call_the_given_tools_streamed_and_not(client, parallel):
+    options = dict(model="SmolLM2-135M-Instruct", messages=WEATHER_QUESTION, tools=[WEATHER, CLOCK], max_tokens=80,
+                   temperature=0, tool_choice="required", parallel_tool_calls=parallel)
+    choice = client.chat.completions.create(**options).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls
+    assert len(calls) >= 1 and (parallel or len(calls) == 1)
+    required = {"get_weather": {"city", "unit"}, "get_time": {"timezone"}}
+    for call in calls:
+        assert set(json.loads(call.function.arguments)) == required[call.function.name]
+    streamed, reason = streamed_tool_calls(client.chat.completions.create(**options, stream=True))
+    assert streamed == [{"name": c.function.name, "arguments": c.function.arguments} for c in calls]
+    assert reason == "tool_calls"
+
+
+def test_a_conversation_with_a_tool_result_goes_on_in_text(client):
+    messages = WEATHER_QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
+    reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, tools=[WEATHER],
+                                           tool_choice="none", max_tokens=16, temperature=0)
+    assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [WEATHER]}, "tool_choice"),  # OpenAI's default, "auto": no parser of the model's call syntax
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}], "tool_choice": "required"}, "tools[0]"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools[1]"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tools")])
+def test_tool_requests_that_cannot_be_honoured_are_a_400_naming_the_field(server, body, param):
+    url, engine, _ = server
+    response = httpx.post(url + "/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 2, **body})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.json()
+    stats = engine.check()
+    assert stats.idle and stats.kv_blocks_used == stats.prefix_cache_blocks
+
+
 def test_completion_suffix_is_refused(client):
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model="SmolLM2-135M-Instruct", prompt="def f(", suffix="return x", max_tokens=2)

@@ -50,16 +50,17 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """The prompt ids of a chat rendered with the model's own template."""
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+                 ) -> list[int]:
+        """The prompt ids of a chat rendered with the model's own template (and the tools, where it shows them)."""
         if not self.chat_template:
             raise InvalidValue("messages", "chat", "a model whose tokenizer has a chat template")
         for index, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
                 raise InvalidValue(f"messages[{index}]", message, "{'role': str, 'content': str}")
         render = self.prepare_chat()
-        rendered, _ = render([messages], chat_template=self.chat_template, add_generation_prompt=add_generation_prompt,
-                             **self.special_tokens)
+        rendered, _ = render([messages], tools=tools, chat_template=self.chat_template,
+                             add_generation_prompt=add_generation_prompt, **self.special_tokens)
         return self.encode(rendered[0])
 
     @staticmethod

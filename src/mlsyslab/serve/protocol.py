@@ -1,8 +1,9 @@
 """The OpenAI API's request and response shapes, and their translation to and from the engine's.
 
 Requests are pydantic models that accept the fields the official `openai` client sends (unknown
-ones are ignored, as OpenAI-compatible servers do); fields we cannot honour (best_of, suffix,
-tools, tool_choice, functions) are rejected with a 400 that names them rather than silently ignored.
+ones are ignored, as OpenAI-compatible servers do); fields we cannot honour (best_of, suffix, functions,
+tool_choice "auto") are rejected with a 400 that names them rather than silently ignored. Tools with a named
+tool_choice or "required" are calls decoded under a grammar (`serve.tools`).
 Extensions shared with vLLM: top_k, min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids,
 and `structured_outputs`.
 
@@ -37,6 +38,7 @@ from mlsyslab.nn.tokenizer import Tokenizer
 from mlsyslab.serve.grammar import KINDS, StructuredOutput
 from mlsyslab.serve.output import RequestOutput
 from mlsyslab.serve.sampling import Sampled, SamplingParams
+from mlsyslab.serve.tools import ToolCalls, resolve
 
 MAX_CHOICES = 128  # OpenAI's bound on n
 Choice = tuple[list[int], SamplingParams]  # one engine request: prompt ids, sampling params
@@ -173,7 +175,25 @@ class ChatRequest(CommonRequest):
     top_logprobs: int | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
     functions: list | None = None
+
+    def tool_calls(self) -> tuple[dict[str, dict], ToolCalls | None]:
+        """The tools' parameter schemas by name, and how replies become calls (None: replies are text)."""
+        return resolve(self.tools, self.tool_choice)
+
+    @property
+    def structured_field(self) -> str:
+        return "tools" if self.tool_calls()[1] is not None else super().structured_field
+
+    def structured_output(self) -> StructuredOutput | None:
+        """A tool call's grammar where tool_choice asks for one, else response_format's or structured_outputs'."""
+        schemas, calls = self.tool_calls()
+        if calls is None:
+            return super().structured_output()
+        if self.response_format not in (None, {"type": "text"}) or self.structured_outputs:
+            raise InvalidValue("tool_choice", self.tool_choice, "'none' beside response_format or structured_outputs")
+        return calls.structured_output(schemas, self.parallel_tool_calls)
 
     def to_engine(self, tokenizer: Tokenizer, max_seq: int, capacity: int) -> list[Choice]:
         """The call's n choices; max_tokens defaults to what is left of the context."""
@@ -188,16 +208,22 @@ class ChatRequest(CommonRequest):
         return self.choices([prompt_ids], wanted, top if self.logprobs else None)
 
     def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise InvalidValue(name, "...", "null (tool calls are not supported)")
-        if self.tool_choice not in (None, "none"):
-            raise InvalidValue("tool_choice", self.tool_choice, "null or 'none' (tool calls are not supported)")
-        messages = [{"role": m.get("role"), "content": text_content(m.get("content"), index)}
-                    for index, m in enumerate(self.messages)]
+        if self.functions:
+            raise InvalidValue("functions", "...", "null (the legacy functions API; use tools)")
+        self.tool_calls()
+        messages = [chat_message(m, index) for index, m in enumerate(self.messages)]
         if not messages:
             raise InvalidValue("messages", [], "at least one message")
-        return tokenizer.chat_ids(messages)
+        return tokenizer.chat_ids(messages, tools=self.tools or None)
+
+
+def chat_message(message: dict, index: int) -> dict:
+    """A message as the chat template sees it: role and text content, and an assistant's earlier `tool_calls` or a
+    tool result's `tool_call_id` as sent (an assistant message that only called tools has content null: "")."""
+    calls = message.get("tool_calls")
+    content = "" if message.get("content") is None and calls else text_content(message.get("content"), index)
+    extra = {key: message[key] for key in ("tool_calls", "tool_call_id", "name") if message.get(key) is not None}
+    return {"role": message.get("role"), "content": content, **extra}
 
 
 def text_content(content, index: int) -> str:

@@ -6,7 +6,8 @@ Routes: POST /v1/completions and /v1/chat/completions (JSON, or server-sent even
 `{"error": {"message", "type", "param", "code"}}`: 400 for an invalid parameter or a prompt over the
 context length, 404 for another model name, 503 when the queue is full or the engine has failed.
 A call's choices (`n`, and the completions API's list of prompts; `serve.protocol`) are engine requests
-admitted together or not at all, and stream back merged. A client that disconnects — mid-stream, or
+admitted together or not at all, and stream back merged. Where `tool_choice` asks for a call (`serve.tools`), the
+reply is rendered as `tool_calls`. A client that disconnects — mid-stream, or
 while waiting for a non-streamed answer — aborts its requests, which frees their KV blocks. Tested with
 the official `openai` client in tests/serve/test_server.py.
 """
@@ -41,6 +42,7 @@ from mlsyslab.serve.protocol import (
 )
 from mlsyslab.serve.sampling import SamplingParams
 from mlsyslab.serve.scheduler import QueueFull
+from mlsyslab.serve.tools import tool_call
 
 
 def build_server(model, tokenizer, model_name: str, config, threads: int | None = None
@@ -170,10 +172,18 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: Request):
+        try:
+            tools = body.tool_calls()[1]
+        except MlsysError as error:
+            return error_for(error)
+        replies: dict[int, str] = {}  # each choice's text so far, where replies are tool calls
+
         def logprobs_of(sampled, call):
             return chat_logprobs(tokenizer, sampled) if call.params.logprobs is not None else None
 
         def render_delta(delta, index, call):
+            if tools is not None:
+                return tool_call_deltas(delta, index)
             choices = []
             if delta.text or delta.logprobs:
                 choices.append({"delta": {"content": delta.text}, "logprobs": logprobs_of(delta.logprobs, call),
@@ -182,7 +192,38 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
                 choices.append({"delta": {}, "logprobs": None, "finish_reason": delta.finish_reason})
             return choices
 
+        def tool_call_deltas(delta, index):
+            """A named function's arguments stream as they come (its id and name first); "required" calls come
+            whole once the array is complete."""
+            choices, first = [], index not in replies
+            replies[index] = replies.get(index, "") + delta.text
+            if tools.function is not None and (delta.text or first):
+                call = {"index": 0, "function": {"arguments": delta.text}}
+                if first:
+                    call = {**tool_call(tools.function, delta.text), "index": 0}
+                choices.append({"delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None})
+            if delta.finish_reason:
+                message, reason = tool_message(replies[index], delta.finish_reason)
+                if tools.function is None and message["tool_calls"]:
+                    calls = [{**call, "index": i} for i, call in enumerate(message["tool_calls"])]
+                    choices.append({"delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None})
+                elif tools.function is None:
+                    choices.append({"delta": {"content": message["content"]}, "logprobs": None, "finish_reason": None})
+                choices.append({"delta": {}, "logprobs": None, "finish_reason": reason})
+            return choices
+
+        def tool_message(text, reason):
+            """The reply as tool calls when the grammar completed it; cut by max_tokens, as text."""
+            if reason == "stop":
+                return {"role": "assistant", "content": None, "tool_calls": tools.calls(text)}, "tool_calls"
+            if tools.function is not None:
+                return {"role": "assistant", "content": None, "tool_calls": [tool_call(tools.function, text)]}, reason
+            return {"role": "assistant", "content": text, "tool_calls": []}, reason
+
         def render_output(output, call):
+            if tools is not None:
+                message, reason = tool_message(output.text, output.finish_reason)
+                return {"message": message, "logprobs": logprobs_of(output.logprobs or [], call), "finish_reason": reason}
             return {"message": {"role": "assistant", "content": output.text},
                     "logprobs": logprobs_of(output.logprobs or [], call), "finish_reason": output.finish_reason}
 
