@@ -146,7 +146,8 @@ STRUCTURED = [  # (question, the output's grammar, a check of a complete output)
 def test_structured_outputs_equal_transformers_with_xgrammars_logits_processor(models):
     """Greedy decoding under a grammar (a JSON schema, a regex, a choice, any JSON object) equals transformers'
     `generate` with xgrammar's own logits processor on the same weights, its vocabulary read from transformers'
-    tokenizer; each request in a mixed batch with the others, through prefill chunks; every output complete."""
+    tokenizer; each request in a mixed batch with the others, through prefill chunks; every output complete. With
+    speculative decoding (drafts of what the grammar forces), one request at a time, the same tokens."""
     import xgrammar
     from transformers import AutoTokenizer
     from xgrammar.contrib.hf import LogitsProcessor
@@ -157,9 +158,13 @@ def test_structured_outputs_equal_transformers_with_xgrammars_logits_processor(m
                                                    vocab_size=ours.config.vocab)
     compiler = xgrammar.GrammarCompiler(info)
     llm = LLM(ours, tokenizer, config=EngineConfig(kv_cache_bytes=100_000_000, max_batched_tokens=24))
+    speculating = LLM(ours, tokenizer, config=EngineConfig(kv_cache_bytes=100_000_000, speculative_tokens=4))
     prompts = [tokenizer.chat_ids([{"role": "user", "content": question}]) for question, _, _ in STRUCTURED]
-    outputs = llm.generate(prompts, [SamplingParams(max_tokens=48, temperature=0, structured_output=structured)
-                                     for _, structured, _ in STRUCTURED])
+    params = [SamplingParams(max_tokens=48, temperature=0, structured_output=structured) for _, structured, _ in STRUCTURED]
+    outputs = llm.generate(prompts, params)
+    one_at_a_time = [speculating.generate([prompt], p)[0] for prompt, p in zip(prompts, params)]
+    assert [o.output_ids for o in one_at_a_time] == [o.output_ids for o in outputs]  # drafts of the forced text
+    assert speculating.engine.accepted_draft_tokens > 20
     for prompt, (question, structured, complete), output in zip(prompts, STRUCTURED, outputs):
         theirs_compiled = {  # the same grammar, compiled on their vocabulary
                            "json": lambda: compiler.compile_json_schema(structured.spec, any_whitespace=False),

@@ -53,15 +53,20 @@ def constrained_greedy(model: Llama, compiled, prompt: list[int], max_tokens: in
     return ids[len(prompt):]
 
 
-def test_outputs_match_their_grammars_and_the_batch_1_truth_through_chunks_and_preemption(model_and_tokenizer):
+@pytest.mark.parametrize("speculative", [0, 4])
+def test_outputs_match_their_grammars_and_the_batch_1_truth_through_chunks_and_preemption(model_and_tokenizer,
+                                                                                          speculative):
+    """... with speculative decoding too: drafts of what the grammar forces next, each position masked by the
+    grammar's state there (`serve.grammar.grammar_draft`, `constrain_draft`)."""
     model, tokenizer = model_and_tokenizer
     (eos,) = tokenizer.eos_token_ids
     prompts = [tokenizer.encode(text) for text in ("Pick a colour:", "A code please", "Say something.", "A tuple:",
                                                    "Another colour, maybe green or blue?", "Code:")]
     grammars = [GRAMMARS[i % len(GRAMMARS)] for i in range(len(prompts))]
-    # 6 requests of up to 40 tokens in a pool of 12 blocks of 8 tokens, prompts split into chunks of 8: preemption
-    llm = LLM(model, tokenizer, config=EngineConfig(kv_cache_bytes=12 * 8 * CONFIG.kv_elements_per_token * 8,
-                                                    block_size=8, max_batched_tokens=8))
+    # 8 requests of up to 40 tokens in a pool of 10 blocks of 8 tokens, prompts split into chunks of 8: preemption
+    llm = LLM(model, tokenizer, config=EngineConfig(kv_cache_bytes=10 * 8 * CONFIG.kv_elements_per_token * 8,
+                                                    block_size=8, max_batched_tokens=8, speculative_tokens=speculative,
+                                                    speculative_max_rows=64))
     plain = SamplingParams(max_tokens=30, temperature=0)
     params = [SamplingParams(max_tokens=30, temperature=0, structured_output=structured) for structured, _ in grammars]
     outputs = llm.generate(prompts + prompts[:2], params + [plain, plain])
@@ -71,12 +76,15 @@ def test_outputs_match_their_grammars_and_the_batch_1_truth_through_chunks_and_p
         assert output.output_ids == expected, structured.kind
         assert output.finish_reason == "stop" and complete(output.text), (structured.kind, output.text)
     assert outputs[-1].output_ids != outputs[1].output_ids  # without its grammar the model says something else
+    assert (llm.engine.accepted_draft_tokens > 10) == bool(speculative)  # the schema's keys, at least
     llm.engine.check()
 
 
-def test_a_seeded_constrained_draw_is_the_same_alone_and_in_a_crowd(model_and_tokenizer):
+@pytest.mark.parametrize("speculative", [0, 4])
+def test_a_seeded_constrained_draw_is_the_same_alone_and_in_a_crowd(model_and_tokenizer, speculative):
     model, tokenizer = model_and_tokenizer
-    llm = LLM(model, tokenizer, config=EngineConfig(kv_cache_bytes=10_000_000))
+    llm = LLM(model, tokenizer, config=EngineConfig(kv_cache_bytes=10_000_000, speculative_tokens=speculative,
+                                                    speculative_max_rows=64))
     prompt = tokenizer.encode("Pick a colour:")
     params = SamplingParams(max_tokens=30, temperature=1.0, seed=7, structured_output=GRAMMARS[0][0])
     alone = llm.generate([prompt], params)[0]

@@ -46,13 +46,13 @@ from mlsyslab.nn.fused_decode import FusedDecode
 from mlsyslab.nn.packed_linear import can_pack, packed_for_inference
 from mlsyslab.nn.paged_attention import DecodeSteps, PagedAttention, SequenceSlice
 from mlsyslab.nn.tokenizer import Tokenizer
-from mlsyslab.serve.grammar import Grammars
+from mlsyslab.serve.grammar import Grammars, constrain_draft, grammar_draft
 from mlsyslab.serve.kv_cache import KVCache
 from mlsyslab.serve.output import Delta, OutputTracker, RequestOutput
 from mlsyslab.serve.request import Request
 from mlsyslab.serve.sampling import Sampled, SamplerInput, SamplingParams, picked_in_step, sample, score
 from mlsyslab.serve.scheduler import Scheduled, Scheduler
-from mlsyslab.serve.speculative import propose, verify
+from mlsyslab.serve.speculative import propose, speculates, verify
 
 
 @dataclass(frozen=True)
@@ -236,9 +236,11 @@ class Engine:
             request = item.request
             most = min(k, budget, request.params.max_tokens - len(request.output_ids) - 1,
                        self.model.config.max_seq - request.num_tokens - 1)
-            if most < 1 or item.num_tokens != 1 or not item.samples or not picked_in_step(request.params):
+            if most < 1 or item.num_tokens != 1 or not item.samples or not speculates(request.params):
                 continue
             draft = propose(request.all_ids, most, self.config.ngram_max, self.config.ngram_min)
+            if request.matcher is not None:  # what the grammar forces next, or the n-gram guess as far as it allows
+                draft = grammar_draft(request.matcher, self.tokenizer, draft, most)
             if draft and self.scheduler.reserve_ahead([request], 1 + len(draft)):
                 drafts[request.request_id] = draft
                 budget -= len(draft)
@@ -293,7 +295,11 @@ class Engine:
         for i, request in enumerate(sampling):
             if i not in drawn:
                 first, count = spans[i]
-                drawn[i] = verify(logits[first:first + count], drafts[request.request_id], inputs[i])
+                rows = logits[first:first + count]
+                if request.matcher is not None:  # masked on an fp32 copy, as `sampling.pick` masks
+                    rows = rows.to(torch.float32, copy=True)
+                    constrain_draft(rows, request.matcher, drafts[request.request_id])
+                drawn[i] = verify(rows, drafts[request.request_id], inputs[i])
                 self.draft_tokens += count - 1
                 self.accepted_draft_tokens += len(drawn[i]) - 1
         return [drawn[i] for i in range(len(sampling))]
@@ -315,7 +321,8 @@ class Engine:
         bookkeeping; ~0.6 ms of a 12 ms bf16 step at batch 1 here in 4 kB pages, less on huge pages) runs once for
         them all, and the server gets one message per request a run.
 
-        More than one only when it changes no output and keeps nobody waiting: every request takes its largest
+        More than one only when it changes no output, keeps nobody waiting and takes no chance of a speculative draft
+        (with `speculative_tokens`, steps small enough to draft in run one at a time): every request takes its largest
         logit or a draw without top-k / top-p / min-p, without penalties or logprobs (the kernel picks the token as
         `serve.sampling` would, with the same uniforms of the request's generator), nothing is waiting to be admitted,
         the step takes the streamed kernel on the serving weights, and the pool has free blocks for all of them.
@@ -329,6 +336,8 @@ class Engine:
             return 1
         if any(item.num_tokens != 1 or not item.samples or not picked_in_step(item.request.params) for item in batch):
             return 1
+        if self.config.speculative_tokens and len(batch) < self.config.speculative_max_rows:
+            return 1  # a request that may speculate looks for a draft every step (`drafts`)
         max_seq = self.model.config.max_seq
         most = min([most, int(self.config.decode_ahead_s / max(measured, 1e-9))]
                    + [min(item.request.params.max_tokens - len(item.request.output_ids), max_seq - item.request.num_tokens)

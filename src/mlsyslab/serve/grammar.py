@@ -16,6 +16,11 @@ reported), as vLLM reports them. A preempted request keeps its matcher: its reco
 JSON is produced without free whitespace (xgrammar's `any_whitespace=False`: ", " and ": " separators), so a small
 model cannot wander into endless blank space; a schema's properties come in its order.
 
+With speculative decoding on (`serve.speculative`), a constrained request's draft is the text its grammar forces next
+(`grammar_draft`: SGLang's jump-forward decoding, here verified by the model in the same step rather than appended
+unseen, so the tokens stay the model's), and each verified position is masked by the grammar's state there
+(`constrain_draft`).
+
 Cost: the first constrained request of a process imports xgrammar (~1-2 s here) and reads the vocabulary (~0.2 s);
 each new grammar is compiled in the engine's loop (milliseconds for the schemas of tests/serve/test_grammar.py) and
 kept (`Grammars.compiled`, up to `CACHED_GRAMMARS`); a constrained row is sampled off the fused multi-step path.
@@ -131,3 +136,30 @@ def constrain(logits: torch.Tensor, matchers: dict[int, object]) -> None:
     for row, matcher in matchers.items():
         matcher.fill_next_token_bitmask(bitmask, row)
     xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=list(matchers))
+
+
+def grammar_draft(matcher, tokenizer: Tokenizer, guess: list[int], most: int) -> list[int]:
+    """A speculative draft for a constrained request (`serve.speculative`): the tokens of the string the grammar
+    forces next (xgrammar's jump-forward string: a JSON schema's keys and punctuation), or else the n-gram `guess`;
+    either cut to its longest prefix the grammar accepts, at most `most` tokens. The matcher is left as it was."""
+    forced = matcher.find_jump_forward_string()
+    tokens = tokenizer.encode(forced)[:most] if forced else guess[:most]
+    trial, kept = matcher.fork(), 0
+    while kept < len(tokens) and trial.accept_token(tokens[kept]):
+        kept += 1
+    return tokens[:kept]
+
+
+def constrain_draft(logits: torch.Tensor, matcher, draft: list[int]) -> None:
+    """In place on fp32 logits [len(draft) + 1, vocab] of a speculative step: row i masked by the grammar's state after
+    the draft's first i tokens (the state each position would have without speculation). The matcher is left as it
+    was."""
+    import xgrammar
+
+    bitmask = xgrammar.allocate_token_bitmask(len(logits), logits.shape[-1])
+    trial = matcher.fork()
+    for row in range(len(logits)):
+        trial.fill_next_token_bitmask(bitmask, row)
+        if row < len(draft):
+            trial.accept_token(draft[row])
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask)

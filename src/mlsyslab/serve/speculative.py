@@ -21,7 +21,8 @@ uniforms from its own generator, so a seed still gives the same tokens at any ba
 tokens of the same seed without speculation: the draws are used differently).
 
 Only requests whose tokens the sampler picks without history (greedy, or temperature without top-k / top-p /
-min-p, penalties, logprobs or a grammar: `sampling.picked_in_step`) speculate; the K/V of rejected positions are
+min-p, penalties or logprobs: `speculates`) speculate; under a grammar the draft is what the grammar forces next and
+each position is masked by the grammar's state there (`serve.grammar.grammar_draft`, `constrain_draft`); the K/V of rejected positions are
 left behind the request's computed count and overwritten as it grows, in blocks it already owns (taken from free
 blocks only: nothing is preempted or evicted for a guess). Engine: `EngineConfig.speculative_tokens`. Tested in
 tests/serve/test_speculative.py (greedy equal to plain greedy and to transformers' prompt lookup on the real model;
@@ -33,7 +34,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mlsyslab.serve.sampling import Sampled, SamplerInput, inverse_cdf, softmax
+from dataclasses import replace
+
+from mlsyslab.serve.sampling import Sampled, SamplerInput, SamplingParams, inverse_cdf, picked_in_step, softmax
+
+
+def speculates(params: SamplingParams) -> bool:
+    """Whether a request may verify drafts: one whose tokens the sampler picks without history
+    (`sampling.picked_in_step`), under a grammar or not."""
+    return picked_in_step(params if params.structured_output is None else replace(params, structured_output=None))
 
 
 def propose(ids: list[int], k: int, ngram_max: int, ngram_min: int) -> list[int]:
