@@ -1,6 +1,7 @@
 """`mlsys generate` and `mlsys serve` end to end; bad options are one stderr line and exit code 2."""
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -24,6 +25,20 @@ def test_generate_json(capsys, monkeypatch):
     assert code == 0 and json.loads(out)["text"] == report["text"], err
 
 
+
+def test_generate_under_a_json_schema_or_a_regex(capsys, monkeypatch, tmp_path):
+    schema = tmp_path / "capital.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"capital": {"type": "string", "maxLength": 20}},
+                                  "required": ["capital"], "additionalProperties": False}))
+    code, out, err = run(capsys, monkeypatch, "generate", "What is the capital of France? Answer in JSON.", "--threads",
+                         "2", "--json", "--json-schema", str(schema))
+    assert code == 0, err
+    assert set(json.loads(json.loads(out)["text"])) == {"capital"}
+    code, out, err = run(capsys, monkeypatch, "generate", "Give me a year.", "--threads", "2", "--json", "--regex",
+                         "[12][0-9]{3}")
+    assert code == 0 and re.fullmatch("[12][0-9]{3}", json.loads(out)["text"]), (out, err)
+
+
 @pytest.mark.parametrize("args, field", [(["generate", "hi", "--dtype", "fp16"], "--dtype"),
                                          (["generate", "hi", "--temperature", "-1"], "temperature"),
                                          (["generate", "hi", "--model", "/no/such.gguf"], "model"),
@@ -31,6 +46,10 @@ def test_generate_json(capsys, monkeypatch):
                                          (["serve", "--kv-cache-gb", "0"], "--kv-cache-gb"),
                                          (["serve", "--decode-steps", "0"], "--decode-steps"),
                                          (["serve", "--speculative-tokens", "-1"], "--speculative-tokens"),
+                                         (["generate", "hi", "--json-schema", "{not json"], "--json-schema"),
+                                         (["generate", "hi", "--json-schema", "[1]"], "--json-schema"),
+                                         (["generate", "hi", "--regex", "[a-"], "structured_output.regex"),
+                                         (["generate", "hi", "--regex", "a", "--json-schema", "{}"], "--json-schema"),
                                          (["bench", "serve", "--url", "http://127.0.0.1:9/v1", "--hardware", "local"], "--hardware"),
                                          (["bench", "serve", "--hardware", "no-such-chip"], "no-such-chip"),
                                          (["bench", "serve", "--no-stream"], "--no-stream"),

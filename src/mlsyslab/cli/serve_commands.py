@@ -71,13 +71,17 @@ def generate_command(
     seed: Annotated[Optional[int], typer.Option(help="random seed (same seed, same text)")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="complete the text as is, without the chat template")] = False,
     dtype: ServeDtype = "fp32", threads: Threads = None, speculative_tokens: SpeculativeTokens = 0,
+    json_schema: Annotated[Optional[str], typer.Option("--json-schema", help="the reply must be JSON matching this "
+                                                       "schema (inline JSON, or a .json file)")] = None,
+    regex: Annotated[Optional[str], typer.Option("--regex", help="the reply must match this regular expression")] = None,
     cache_dir: CacheDir = None, json: Json = False,
 ):
     """Generate a reply to one prompt in process, and say how fast."""
     from mlsyslab.serve.engine import LLM
     from mlsyslab.serve.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                            structured_output=structured_output(json_schema, regex))
     loaded, tokenizer, name = load(model, dtype, threads, cache_dir)
     llm = LLM(loaded, tokenizer, config=engine_config(0.2, 16, 512, 1, 1, False, speculative_tokens=speculative_tokens))
     start = time.perf_counter()
@@ -98,6 +102,28 @@ def generate_command(
     rate = f", {result['decode_tokens_per_s']:.1f} tok/s decode" if result["decode_tokens_per_s"] else ""
     typer.echo(f"[{name}: {result['completion_tokens']} tokens in {elapsed:.2f} s, "
                f"TTFT {1000 * (output.ttft_s or 0):.0f} ms{rate}, finish: {output.finish_reason}]", err=True)
+
+
+def structured_output(json_schema: str | None, regex: str | None):
+    """`--json-schema` (inline, or a file) or `--regex` as the engine's StructuredOutput (`serve.grammar`)."""
+    import json
+
+    from mlsyslab.serve.grammar import StructuredOutput
+
+    if json_schema is not None and regex is not None:
+        raise InvalidValue("--json-schema", json_schema[:40], "not beside --regex (one grammar per reply)")
+    if regex is not None:
+        return StructuredOutput("regex", regex)
+    if json_schema is None:
+        return None
+    text = Path(json_schema).read_text() if json_schema.endswith(".json") and Path(json_schema).is_file() else json_schema
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise InvalidValue("--json-schema", json_schema[:40], f"a JSON schema, inline or in a .json file ({error})") from None
+    if not isinstance(schema, dict):
+        raise InvalidValue("--json-schema", json_schema[:40], "a JSON object (a schema)")
+    return StructuredOutput("json", json.dumps(schema))
 
 
 def serving_threads() -> int:
