@@ -220,8 +220,9 @@ class Engine:
         return self.deliver(sampling, drawn)
 
     def drafts(self, batch: list[Scheduled]) -> dict[str, list[int]]:
-        """Speculative decoding (`serve.speculative`): each decode's n-gram draft, by request id, for the decodes that
-        may speculate and have one — no further than max_tokens and the context allow, only where free blocks hold
+        """Speculative decoding (`serve.speculative`): each decode's draft, by request id — its n-gram guess, or under a
+        grammar what the grammar forces next (`serve.grammar.grammar_draft`) — for the decodes that may speculate and
+        have one — no further than max_tokens and the context allow, only where free blocks hold
         the draft's K/V, and only while the step keeps at most `speculative_max_rows` rows: a step of a few rows is
         bound by reading the weights, so extra rows cost little (here, fp32 batch 1: 17 ms a step of one row, 24 of
         five), while a wider one pays for every row (drafts of 4 at 16 in flight lost 0-20% of the throughput of
