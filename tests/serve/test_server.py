@@ -178,11 +178,7 @@ def test_vllm_structured_outputs_on_completions(client):
     ({"structured_outputs": {"choice": "yes"}}, "structured_outputs"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos")])
 def test_a_structured_output_that_cannot_be_honoured_is_a_400_naming_its_field(server, body, param):
-    url, engine, _ = server
-    response = httpx.post(url + "/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 2, **body})
-    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.json()
-    stats = engine.check()
-    assert stats.idle and stats.kv_blocks_used == stats.prefix_cache_blocks
+    refused_leaving_nothing(server, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2, **body}, param)
 
 
 WEATHER = {"type": "function", "function": {
@@ -258,11 +254,7 @@ def test_a_conversation_with_a_tool_result_goes_on_in_text(client):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
       "tool_choice": "required"}, "tools")])
 def test_tool_requests_that_cannot_be_honoured_are_a_400_naming_the_field(server, body, param):
-    url, engine, _ = server
-    response = httpx.post(url + "/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 2, **body})
-    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.json()
-    stats = engine.check()
-    assert stats.idle and stats.kv_blocks_used == stats.prefix_cache_blocks
+    refused_leaving_nothing(server, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2, **body}, param)
 
 
 def test_completion_suffix_is_refused(client):
@@ -364,10 +356,14 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(client):
                                          ({"prompt": "hi", "max_tokens": 0, "echo": True}, "max_tokens"),
                                          ({"prompt": ["hi", "x " * 9000]}, "prompt tokens")])
 def test_a_bad_choice_refuses_the_whole_call(server, body, param):
+    refused_leaving_nothing(server, "/v1/completions", {"max_tokens": 2, **body}, param)
+
+
+def refused_leaving_nothing(server, route: str, body: dict, param: str) -> None:
+    """The call is a 400 naming `param`, and the engine holds nothing of it: no request, no block but the cache's."""
     url, engine, _ = server
-    response = httpx.post(url + "/v1/completions", json={"max_tokens": 2, **body})
-    assert response.status_code == 400 and response.json()["error"]["param"] == param
-    assert response.status_code == 400 and response.json()["error"]["param"] == param
+    response = httpx.post(url + route, json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.json()
     stats = engine.check()
     assert stats.idle and stats.kv_blocks_used == stats.prefix_cache_blocks
 
