@@ -11,6 +11,9 @@ import pytest
 
 from mlsyslab.nn.pretrained import loaders
 from mlsyslab.serve.engine import EngineConfig
+from mlsyslab.serve.output import RequestOutput
+from mlsyslab.serve.protocol import best_choices
+from mlsyslab.serve.sampling import Sampled
 from mlsyslab.serve.server import ServerThread, build_server
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -354,9 +357,37 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(client):
 @pytest.mark.parametrize("body, param", [({"prompt": "hi", "n": 0}, "n"), ({"prompt": "hi", "n": 129}, "n"),
                                          ({"prompt": []}, "prompt"), ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
                                          ({"prompt": "hi", "max_tokens": 0, "echo": True}, "max_tokens"),
-                                         ({"prompt": ["hi", "x " * 9000]}, "prompt tokens")])
+                                         ({"prompt": ["hi", "x " * 9000]}, "prompt tokens"),
+                                         ({"prompt": "hi", "n": 2, "best_of": 1}, "best_of"),
+                                         ({"prompt": "hi", "best_of": 129}, "best_of"),
+                                         ({"prompt": "hi", "best_of": 2, "stream": True}, "best_of")])
 def test_a_bad_choice_refuses_the_whole_call(server, body, param):
     refused_leaving_nothing(server, "/v1/completions", {"max_tokens": 2, **body}, param)
+
+
+def test_best_of_returns_the_candidate_with_the_highest_logprob_per_token(client):
+    """best_of's candidates are drawn as n choices are (seed + j); the one with the highest mean log-probability
+    comes back, without logprobs unless asked; usage counts every candidate's tokens."""
+    def complete(**options):
+        return client.completions.create(model="SmolLM2-135M-Instruct", prompt="Once upon a time", max_tokens=8,
+                                         temperature=1.0, seed=2, **options)
+    candidates = complete(n=2, logprobs=0)
+    means = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in candidates.choices]
+    assert means[1] > means[0]  # the second wins: a server returning the first candidate fails below
+    best = complete(best_of=2)
+    assert [c.text for c in best.choices] == [candidates.choices[1].text] and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == candidates.usage.completion_tokens
+    scored = complete(best_of=2, logprobs=1).choices[0]
+    assert scored.logprobs.token_logprobs == pytest.approx(candidates.choices[1].logprobs.token_logprobs, abs=1e-4)
+
+
+def test_best_choices_keeps_each_prompts_n_best_best_first():
+    def output(name: str, logprobs: list[float]):
+        return RequestOutput(name, [1], [2] * len(logprobs), name, "length", [Sampled(2, lp) for lp in logprobs],
+                             None, 0, None, 0.0, 0)
+    first = [output("a", [-1.0, -3.0]), output("b", [-0.5]), output("c", [-1.0, -1.0, -1.0])]
+    second = [output("d", [-2.0]), output("e", [-4.0]), output("f", [-2.0, -2.0])]
+    assert [o.text for o in best_choices(first + second, candidates=3, n=2)] == ["b", "c", "d", "f"]
 
 
 def refused_leaving_nothing(server, route: str, body: dict, param: str) -> None:

@@ -1,7 +1,7 @@
 """The OpenAI API's request and response shapes, and their translation to and from the engine's.
 
 Requests are pydantic models that accept the fields the official `openai` client sends (unknown
-ones are ignored, as OpenAI-compatible servers do); fields we cannot honour (best_of, suffix, functions,
+ones are ignored, as OpenAI-compatible servers do); fields we cannot honour (suffix, functions,
 tool_choice "auto") are rejected with a 400 that names them rather than silently ignored. Tools with a named
 tool_choice or "required" are calls decoded under a grammar (`serve.tools`).
 Extensions shared with vLLM: top_k, min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids,
@@ -17,6 +17,11 @@ token-id lists). Each choice is one engine request; prompt i's choice j has inde
 seed it samples with seed + j (as vLLM's parallel sampling does), so the choices differ and each is
 reproducible alone. The prefix cache shares a prompt's blocks between its choices once the first has
 prefilled them. Usage counts each prompt once and every choice's completion.
+
+`best_of` (completions): each prompt gets best_of candidates (as n choices would be drawn), and the n with the
+highest log-probability per token — the mean of each sampled token's log-softmax under the raw logits, OpenAI's
+rule — come back, best first (`best_choices`). Usage counts every candidate's tokens, as OpenAI bills them; the
+candidates cannot stream (a 400, as OpenAI's).
 
 `echo` (completions) puts the prompt before each completion; with `logprobs` every prompt token after the
 first is scored too (the engine's `prompt_logprobs`), and `max_tokens: 0` scores the prompt without
@@ -72,13 +77,23 @@ class CommonRequest(BaseModel):
     response_format: dict | None = None
     structured_outputs: dict | None = None
 
+    @property
+    def candidates(self) -> int:
+        """Engine requests a prompt: its n choices (best_of's candidates on the completions API)."""
+        return self.n
+
+    @property
+    def ranked(self) -> bool:
+        """Whether the choices returned are the best n of more candidates (best_of)."""
+        return self.candidates > self.n
+
     def choices(self, prompts: list[list[int]], max_tokens: int, logprobs: int | None,
                 prompt_logprobs: int | None = None) -> list[Choice]:
-        """Every prompt's n choices in index order (prompt i's choice j at i·n + j; with a seed, seed + j)."""
+        """Every prompt's candidates in index order (prompt i's j-th at i·candidates + j; with a seed, seed + j)."""
         if not 1 <= self.n <= MAX_CHOICES:
             raise InvalidValue("n", self.n, f"an integer in 1..{MAX_CHOICES}")
         params = self.sampling_params(max_tokens, logprobs, prompt_logprobs)
-        each = [params if params.seed is None else replace(params, seed=params.seed + j) for j in range(self.n)]
+        each = [params if params.seed is None else replace(params, seed=params.seed + j) for j in range(self.candidates)]
         return [(prompt, choice) for prompt in prompts for choice in each]
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
@@ -146,18 +161,25 @@ class CompletionRequest(CommonRequest):
     best_of: int | None = None
     suffix: str | None = None
 
+    @property
+    def candidates(self) -> int:
+        return self.n if self.best_of is None else self.best_of
+
     def to_engine(self, tokenizer: Tokenizer, max_seq: int, capacity: int) -> list[Choice]:
-        """The call's choices; max_tokens defaults to 16 as in OpenAI's legacy API (0: echo's scoring only)."""
+        """The call's candidates; max_tokens defaults to 16 as in OpenAI's legacy API (0: echo's scoring only).
+        Ranked candidates report their sampled tokens' log-probabilities (the ranking's score) whether asked or not."""
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
         if max_tokens == 0 and not (self.echo and self.logprobs is not None):
             raise InvalidValue("max_tokens", 0, "an integer >= 1 (0 only with echo and logprobs: score the prompt)")
-        return self.choices(self.prompt_ids(tokenizer), max_tokens, self.logprobs,
-                            self.logprobs if self.echo else None)
+        if self.best_of is not None and not self.n <= self.best_of <= MAX_CHOICES:
+            raise InvalidValue("best_of", self.best_of, f"null or an integer in n ({self.n})..{MAX_CHOICES}")
+        if self.ranked and self.stream:
+            raise InvalidValue("best_of", self.best_of, f"null or n ({self.n}) when streaming (candidates cannot stream)")
+        logprobs = 0 if self.ranked and self.logprobs is None else self.logprobs
+        return self.choices(self.prompt_ids(tokenizer), max_tokens, logprobs, self.logprobs if self.echo else None)
 
     def prompt_ids(self, tokenizer: Tokenizer) -> list[list[int]]:
         """Each prompt's token ids: one string or id list, or a list of them."""
-        if self.best_of not in (None, 1):
-            raise InvalidValue("best_of", self.best_of, "1")
         if self.suffix:
             raise InvalidValue("suffix", self.suffix[:40], "null (insertion is not supported)")
         prompt = self.prompt
@@ -243,8 +265,18 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
+def best_choices(outputs: list[RequestOutput], candidates: int, n: int) -> list[RequestOutput]:
+    """Each prompt's n best of its `candidates` outputs (outputs in index order), by log-probability per token,
+    best first (ties in index order)."""
+    def per_token(output: RequestOutput) -> float:
+        return sum(s.logprob for s in output.logprobs) / max(1, len(output.logprobs))
+
+    return [best for start in range(0, len(outputs), candidates)
+            for best in sorted(outputs[start:start + candidates], key=per_token, reverse=True)[:n]]
+
+
 def usage(outputs: list[RequestOutput], n: int) -> dict:
-    """Token counts of one call's outputs (in index order, n choices a prompt): each prompt counted once."""
+    """Token counts of one call's outputs (in index order, n a prompt): each prompt counted once."""
     firsts = outputs[::n]
     prompt, completion = sum(len(o.prompt_ids) for o in firsts), sum(len(o.output_ids) for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,

@@ -32,6 +32,7 @@ from mlsyslab.serve.metrics import EngineMetrics
 from mlsyslab.serve.output import RequestOutput
 from mlsyslab.serve.protocol import (
     ChatRequest,
+    best_choices,
     CompletionRequest,
     chat_logprobs,
     completion_logprobs,
@@ -95,7 +96,8 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
         """Check the model name, translate the body, and queue its choices, all or none."""
         check_model(body.model, model_name)
         choices = body.to_engine(tokenizer, max_seq, capacity)
-        call = Call(new_id(prefix), int(time.time()), body.n, [prompt_ids for prompt_ids, _ in choices], choices[0][1])
+        call = Call(new_id(prefix), int(time.time()), body.candidates, [prompt_ids for prompt_ids, _ in choices],
+                    choices[0][1])
         requests = [(call.engine_id(index), prompt_ids, params) for index, (prompt_ids, params) in enumerate(choices)]
         try:
             call.stream = await engine.submit(requests)
@@ -135,7 +137,10 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
                                      media_type="text/event-stream")
         if not await collect(call, http):
             return Response(status_code=499)  # the client left; its requests were aborted
-        choices = [{"index": index, **render_output(output, call)} for index, output in sorted(call.outputs.items())]
+        outputs = [output for _, output in sorted(call.outputs.items())]
+        if body.ranked:
+            outputs = best_choices(outputs, body.candidates, body.n)
+        choices = [{"index": index, **render_output(output, call)} for index, output in enumerate(outputs)]
         return {**envelope(kind, call.request_id, model_name, call.created, choices), "usage": call.usage()}
 
     @app.post("/v1/completions")
@@ -149,7 +154,7 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
                 text, sampled = echo(call.prompts[index], delta.prompt_logprobs, text, sampled)
             offset = offsets.get(index, 0)
             if text or sampled or delta.finish_reason:
-                choices.append(completion_choice(text, delta.finish_reason, sampled, offset, call.params))
+                choices.append(completion_choice(text, delta.finish_reason, sampled, offset))
             offsets[index] = offset + len(text)
             return choices
 
@@ -157,15 +162,15 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
             text, sampled = output.text, output.logprobs or []
             if body.echo:
                 text, sampled = echo(output.prompt_ids, output.prompt_logprobs, text, sampled)
-            return completion_choice(text, output.finish_reason, sampled, 0, call.params)
+            return completion_choice(text, output.finish_reason, sampled, 0)
 
         def echo(prompt_ids, prompt_logprobs, text, sampled):
             """The prompt before the completion, and its scored tokens before the completion's."""
             return (tokenizer.decode(prompt_ids, skip_special_tokens=False) + text,
                     echoed(prompt_ids, prompt_logprobs) + sampled)
 
-        def completion_choice(text, reason, sampled, text_offset, params):
-            logprobs = completion_logprobs(tokenizer, sampled, text_offset) if params.logprobs is not None else None
+        def completion_choice(text, reason, sampled, text_offset):
+            logprobs = completion_logprobs(tokenizer, sampled, text_offset) if body.logprobs is not None else None
             return {"text": text, "logprobs": logprobs, "finish_reason": reason}
 
         return await respond(body, http, "cmpl", "text_completion", render_delta, render_output)
@@ -235,9 +240,9 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
 
 @dataclass
 class Call:
-    """One API call: its id and creation time, n choices a prompt, each choice's prompt and their shared
-    params, their merged engine stream (engine request `{request_id}-{index}` is choice `index`), and the
-    outputs as they end."""
+    """One API call: its id and creation time, n engine requests a prompt (its choices, or best_of's candidates),
+    each one's prompt and their shared params, their merged engine stream (engine request `{request_id}-{index}`
+    is request `index`), and the outputs as they end."""
 
     request_id: str
     created: int
