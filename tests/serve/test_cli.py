@@ -46,6 +46,7 @@ def test_generate_under_a_json_schema_or_a_regex(capsys, monkeypatch, tmp_path):
                                          (["serve", "--kv-cache-gb", "0"], "--kv-cache-gb"),
                                          (["serve", "--decode-steps", "0"], "--decode-steps"),
                                          (["serve", "--speculative-tokens", "-1"], "--speculative-tokens"),
+                                         (["serve", "--tool-call-parser", "mistral"], "--tool-call-parser"),
                                          (["generate", "hi", "--json-schema", "{not json"], "--json-schema"),
                                          (["generate", "hi", "--json-schema", "[1]"], "--json-schema"),
                                          (["generate", "hi", "--regex", "[a-"], "structured_output.regex"),
@@ -68,11 +69,12 @@ def free_port() -> int:
 
 def test_serve_answers_the_openai_client():
     """`mlsys serve` as deployed: its own process (and the engine's); startup is timed in benchmarks/serve.py. With
-    speculative decoding on: the greedy answer is the same, and a reply that copies its prompt keeps drafts."""
+    speculative decoding on: the greedy answer is the same, and a reply that copies its prompt keeps drafts. With a
+    tool-call parser: tools under OpenAI's default tool_choice ("auto") are served (the model answers in text)."""
     port = free_port()
     start = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-m", "mlsyslab", "serve", "--port", str(port), "--threads", "2",
-                                "--kv-cache-gb", "0.2", "--speculative-tokens", "4"],
+                                "--kv-cache-gb", "0.2", "--speculative-tokens", "4", "--tool-call-parser", "hermes"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -86,6 +88,10 @@ def test_serve_answers_the_openai_client():
         reply = client.chat.completions.create(model="default", max_tokens=20, temperature=0,
                                                messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert reply.choices[0].message.content == "The capital of France is Paris."
+        clock = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+        tooled = client.chat.completions.create(model="default", max_tokens=20, temperature=0, tools=[clock],
+                                                messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert tooled.choices[0].message.content == reply.choices[0].message.content
         sentence = "The quick brown fox jumps over the lazy dog near the river bank."
         copied = client.chat.completions.create(model="default", max_tokens=30, temperature=0, messages=[
             {"role": "user", "content": f"Repeat this sentence exactly: {sentence}"}])

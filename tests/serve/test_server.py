@@ -11,10 +11,11 @@ import pytest
 
 from mlsyslab.nn.pretrained import loaders
 from mlsyslab.serve.engine import EngineConfig
+from mlsyslab.serve.metrics import EngineMetrics
 from mlsyslab.serve.output import RequestOutput
 from mlsyslab.serve.protocol import best_choices
 from mlsyslab.serve.sampling import Sampled
-from mlsyslab.serve.server import ServerThread, build_server
+from mlsyslab.serve.server import ServerThread, build_server, create_app
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -26,7 +27,7 @@ def server():
     # one request runs and two wait at a time, so a call of three choices beside a running one finds the queue
     # full (test_queue_bound_gives_503_and_admits_a_call_whole_or_not_at_all)
     config = EngineConfig(kv_cache_bytes=200_000_000, max_running=1, max_waiting=2)
-    app, engine = build_server(load_model, load_tokenizer, name, config, threads=2)
+    app, engine = build_server(load_model, load_tokenizer, name, config, threads=2, tool_parser="hermes")
     tokenizer = load_tokenizer()
     with ServerThread(app) as url:
         yield url, engine, tokenizer
@@ -247,9 +248,39 @@ def test_a_conversation_with_a_tool_result_goes_on_in_text(client):
     assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
 
 
+def test_auto_tool_choice_parses_the_calls_the_model_writes_streamed_and_not(client):
+    """"auto" (OpenAI's default with tools): a reply without a call is the answer given without tools (SmolLM2's
+    template shows it none); a reply that writes a call — made to here by a choice, as this model does not of itself
+    — comes back as content and `tool_calls`, streamed as non-streamed."""
+    plain = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=20,
+                                           temperature=0, tools=[WEATHER, CLOCK])
+    assert plain.choices[0].message.content == "The capital of France is Paris."
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "stop"
+    written = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>'
+    options = dict(model="SmolLM2-135M-Instruct", messages=WEATHER_QUESTION, tools=[WEATHER, CLOCK], max_tokens=120,
+                   temperature=0, tool_choice="auto", extra_body={"structured_outputs": {"choice": [
+                       "Let me check. " + written]}})
+    choice = client.chat.completions.create(**options).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check. "
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
+    chunks = list(client.chat.completions.create(**options, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Let me check. "
+    calls, reason = streamed_tool_calls(chunks)
+    assert calls == [{"name": "get_weather", "arguments": call.function.arguments}] and reason == "tool_calls"
+
+
+def test_auto_tool_choice_needs_a_server_with_a_parser(server):
+    url, engine, tokenizer = server
+    without = create_app(engine, tokenizer, "SmolLM2-135M-Instruct", EngineMetrics())
+    with ServerThread(without) as plain_url:
+        for body in ({"tools": [WEATHER]}, {"tools": [WEATHER], "tool_choice": "auto"}):
+            refused_leaving_nothing((plain_url, engine, tokenizer), "/v1/chat/completions",
+                                    {"messages": QUESTION, "max_tokens": 2, **body}, "tool_choice")
+
+
 @pytest.mark.parametrize("body, param", [
-    ({"tools": [WEATHER]}, "tool_choice"),  # OpenAI's default, "auto": no parser of the model's call syntax
-    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}], "tool_choice": "required"}, "tools[0]"),
     ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools[1]"),

@@ -41,19 +41,28 @@ def serve_command(
     decode_steps: Annotated[Optional[int], typer.Option(
         "--decode-steps", help="decode steps one call may run while nobody waits (multi-step decoding; "
         "1: off; default: the engine's, 8)")] = None,
-    speculative_tokens: SpeculativeTokens = 0, cache_dir: CacheDir = None,
+    speculative_tokens: SpeculativeTokens = 0,
+    tool_call_parser: Annotated[Optional[str], typer.Option(
+        "--tool-call-parser", help="read the tool calls a model writes under tool_choice \"auto\" (OpenAI's default "
+        "with tools) in its family's syntax: hermes (Hermes 2 Pro, Qwen 2.5/3, SmolLM2/3); default: \"auto\" is "
+        "refused")] = None,
+    cache_dir: CacheDir = None,
 ):
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     import uvicorn
 
     from mlsyslab.serve.server import build_server
+    from mlsyslab.serve.tool_parser import PARSERS
 
     check_range("--port", port, 0, 65535)
+    if tool_call_parser not in (None, *PARSERS):
+        raise InvalidValue("--tool-call-parser", tool_call_parser, f"one of {', '.join(PARSERS)}")
     config = engine_config(kv_cache_gb, block_size, max_batched_tokens, max_running, max_waiting, prefix_cache,
                            decode_steps, speculative_tokens)
     start = time.perf_counter()
     load_model, load_tokenizer, name = loaders(model, dtype, threads, cache_dir)
-    app, engine = build_server(load_model, load_tokenizer, name, config, threads or serving_threads())
+    app, engine = build_server(load_model, load_tokenizer, name, config, threads or serving_threads(),
+                               tool_call_parser)
     typer.echo(f"serving {name} ({dtype}, {engine.stats.kv_blocks_total} KV blocks of {block_size} tokens) "
                f"at http://{host}:{port}/v1 — ready in {time.perf_counter() - start:.1f} s", err=True)
     try:

@@ -1,9 +1,9 @@
 """The OpenAI API's request and response shapes, and their translation to and from the engine's.
 
 Requests are pydantic models that accept the fields the official `openai` client sends (unknown
-ones are ignored, as OpenAI-compatible servers do); fields we cannot honour (suffix, functions,
-tool_choice "auto") are rejected with a 400 that names them rather than silently ignored. Tools with a named
-tool_choice or "required" are calls decoded under a grammar (`serve.tools`).
+ones are ignored, as OpenAI-compatible servers do); fields we cannot honour (suffix, functions) are rejected
+with a 400 that names them rather than silently ignored. Tools with a named tool_choice or "required" are calls
+decoded under a grammar (`serve.tools`); with "auto", calls the model chose to write (`serve.tool_parser`).
 Extensions shared with vLLM: top_k, min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids,
 and `structured_outputs`.
 
@@ -206,12 +206,13 @@ class ChatRequest(CommonRequest):
 
     @property
     def structured_field(self) -> str:
-        return "tools" if self.tool_calls()[1] is not None else super().structured_field
+        calls = self.tool_calls()[1]
+        return "tools" if calls is not None and not calls.auto else super().structured_field
 
     def structured_output(self) -> StructuredOutput | None:
         """A tool call's grammar where tool_choice asks for one, else response_format's or structured_outputs'."""
         schemas, calls = self.tool_calls()
-        if calls is None:
+        if calls is None or calls.auto:
             return super().structured_output()
         if self.response_format not in (None, {"type": "text"}) or self.structured_outputs:
             raise InvalidValue("tool_choice", self.tool_choice, "'none' beside response_format or structured_outputs")

@@ -43,26 +43,32 @@ from mlsyslab.serve.protocol import (
 )
 from mlsyslab.serve.sampling import SamplingParams
 from mlsyslab.serve.scheduler import QueueFull
+from mlsyslab.serve.tool_parser import PARSERS, ToolCallStream
+from mlsyslab.serve.tool_parser import parse as parse_tool_calls
 from mlsyslab.serve.tools import tool_call
 
 
-def build_server(model, tokenizer, model_name: str, config, threads: int | None = None
-                 ) -> tuple[FastAPI, EngineProcess]:
+def build_server(model, tokenizer, model_name: str, config, threads: int | None = None,
+                 tool_parser: str | None = None) -> tuple[FastAPI, EngineProcess]:
     """An engine process for `model` with `config` (`EngineConfig`) and `threads` torch threads (None:
-    torch's default), started, and the app serving it. `model` and `tokenizer` are a loaded `Llama` and
+    torch's default), started, and the app serving it (reading tool_choice "auto" replies with `tool_parser`,
+    one of `serve.tool_parser.PARSERS`; None: "auto" is refused). `model` and `tokenizer` are a loaded `Llama` and
     `Tokenizer`, or their loaders (`nn.pretrained.loaders`): then the engine process loads its own while
     this one loads the tokenizer and the chat template renderer, on the two cores at once (`mlsys serve`
     started in 10-11 s one after the other on a 2-core AVX2 host, 2026-11-24)."""
+    if tool_parser not in (None, *PARSERS):
+        raise InvalidValue("tool_parser", tool_parser, f"null or one of {', '.join(PARSERS)}")
     metrics = EngineMetrics()
     engine = EngineProcess(model, tokenizer, config, threads, on_finish=metrics.observe)
     tokenizer = tokenizer() if callable(tokenizer) else tokenizer
     tokenizer.prepare_chat()
     engine.wait_started()
     metrics.watch(lambda: engine.stats)
-    return create_app(engine, tokenizer, model_name, metrics), engine
+    return create_app(engine, tokenizer, model_name, metrics, tool_parser), engine
 
 
-def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, metrics: EngineMetrics) -> FastAPI:
+def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, metrics: EngineMetrics,
+               tool_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under the model name `model_name`."""
     app = FastAPI(title="mlsyslab", version="0.1.0")
     max_seq, capacity = engine.stats.max_seq, engine.stats.capacity_tokens
@@ -178,15 +184,22 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: Request):
         try:
-            tools = body.tool_calls()[1]
+            schemas, tools = body.tool_calls()
+            if tools is not None and tools.auto and tool_parser is None:
+                raise InvalidValue("tool_choice", body.tool_choice or "auto (the default with tools)",
+                                   "'none', 'required' or a named function ('auto' needs a server started with "
+                                   f"--tool-call-parser, one of {', '.join(PARSERS)})")
         except MlsysError as error:
             return error_for(error)
         replies: dict[int, str] = {}  # each choice's text so far, where replies are tool calls
+        streams: dict[int, ToolCallStream] = {}  # each choice's reply so far, where the model may write calls
 
         def logprobs_of(sampled, call):
             return chat_logprobs(tokenizer, sampled) if call.params.logprobs is not None else None
 
         def render_delta(delta, index, call):
+            if tools is not None and tools.auto:
+                return parsed_deltas(delta, index, call)
             if tools is not None:
                 return tool_call_deltas(delta, index)
             choices = []
@@ -210,12 +223,37 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
             if delta.finish_reason:
                 message, reason = tool_message(replies[index], delta.finish_reason)
                 if tools.function is None and message["tool_calls"]:
-                    calls = [{**call, "index": i} for i, call in enumerate(message["tool_calls"])]
-                    choices.append({"delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None})
+                    choices.append(calls_chunk(message["tool_calls"]))
                 elif tools.function is None:
                     choices.append({"delta": {"content": message["content"]}, "logprobs": None, "finish_reason": None})
                 choices.append({"delta": {}, "logprobs": None, "finish_reason": reason})
             return choices
+
+        def parsed_deltas(delta, index, call):
+            """"auto": content as it comes (held where it may open a call), the calls the model wrote whole at the
+            end."""
+            stream = streams.setdefault(index, ToolCallStream(set(schemas)))
+            content, calls = stream.add(delta.text), []
+            if delta.finish_reason:
+                rest, calls = stream.finish()
+                content += rest
+            choices = []
+            if content or delta.logprobs:
+                choices.append({"delta": {"content": content}, "logprobs": logprobs_of(delta.logprobs, call),
+                                "finish_reason": None})
+            if calls:
+                choices.append(calls_chunk(calls))
+            if delta.finish_reason:
+                choices.append({"delta": {}, "logprobs": None, "finish_reason": called(delta.finish_reason, calls)})
+            return choices
+
+        def calls_chunk(calls):
+            return {"delta": {"tool_calls": [{**c, "index": i} for i, c in enumerate(calls)]}, "logprobs": None,
+                    "finish_reason": None}
+
+        def called(reason, calls):
+            """A reply that ended with calls written finishes with "tool_calls" (one cut by max_tokens: "length")."""
+            return "tool_calls" if calls and reason == "stop" else reason
 
         def tool_message(text, reason):
             """The reply as tool calls when the grammar completed it; cut by max_tokens, as text."""
@@ -226,6 +264,11 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
             return {"role": "assistant", "content": text, "tool_calls": []}, reason
 
         def render_output(output, call):
+            if tools is not None and tools.auto:
+                content, calls = parse_tool_calls(output.text, set(schemas))
+                return {"message": {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})},
+                        "logprobs": logprobs_of(output.logprobs or [], call),
+                        "finish_reason": called(output.finish_reason, calls)}
             if tools is not None:
                 message, reason = tool_message(output.text, output.finish_reason)
                 return {"message": message, "logprobs": logprobs_of(output.logprobs or [], call), "finish_reason": reason}

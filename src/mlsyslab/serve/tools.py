@@ -9,9 +9,10 @@ that ignores them, as SmolLM2's does, shows the model nothing of them), and the 
 - "required": the reply is a JSON array of one or more {"name": ..., "parameters": {...}}, each name one of the
   tools' and each parameters object matching that tool's schema (one item if `parallel_tool_calls` is false).
 The reply comes back as the message's `tool_calls` (content null, finish_reason "tool_calls"); one cut by
-max_tokens comes back as it is, with finish_reason "length". "none" ignores the tools. "auto" — the model decides
-whether to call — needs a parser for each model's own call syntax and is refused with a 400, as are the legacy
-`functions`. Tested in tests/serve/test_server.py.
+max_tokens comes back as it is, with finish_reason "length". "none" ignores the tools. "auto" (OpenAI's default when
+tools are given) lets the model decide, with no grammar: its reply is parsed in its family's call syntax
+(`serve.tool_parser`), on a server started with a parser; without one it is a 400, as are the legacy `functions`.
+Tested in tests/serve/test_server.py.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from mlsyslab.serve.grammar import StructuredOutput
 
 @dataclass(frozen=True)
 class ToolCalls:
-    """How a call's replies become tool calls: a named function's arguments, or an array of calls ("required")."""
+    """How a call's replies become tool calls: a named function's arguments, an array of calls ("required"), or
+    whatever calls the model chose to write ("auto", parsed afterwards)."""
 
-    function: str | None  # the named function; None: "required"
+    function: str | None  # the named function; None: "required" or "auto"
+    auto: bool = False
 
     def structured_output(self, tools: dict[str, dict], parallel: bool) -> StructuredOutput:
         """The grammar of the reply: the named function's parameters, or an array of calls of any tool."""
@@ -71,10 +74,12 @@ def resolve(tools: list | None, tool_choice) -> tuple[dict[str, dict], ToolCalls
         schemas[name] = parameters
     if tool_choice == "none":
         return schemas, None
+    if tool_choice in (None, "auto"):
+        return schemas, ToolCalls(None, auto=True)
     if tool_choice == "required":
         return schemas, ToolCalls(None)
     named = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
     if named not in schemas:
-        raise InvalidValue("tool_choice", tool_choice, f"'none', 'required' or a named function, one of {sorted(schemas)} "
-                           "('auto' needs a parser of the model's own call syntax: not built)")
+        raise InvalidValue("tool_choice", tool_choice, f"'none', 'auto', 'required' or a named function, one of "
+                           f"{sorted(schemas)}")
     return schemas, ToolCalls(named)
