@@ -1,6 +1,7 @@
 """`mlsys generate` and `mlsys serve` end to end; bad options are one stderr line and exit code 2."""
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -47,6 +48,7 @@ def test_generate_under_a_json_schema_or_a_regex(capsys, monkeypatch, tmp_path):
                                          (["serve", "--decode-steps", "0"], "--decode-steps"),
                                          (["serve", "--speculative-tokens", "-1"], "--speculative-tokens"),
                                          (["serve", "--tool-call-parser", "mistral"], "--tool-call-parser"),
+                                         (["serve", "--served-model-name", " "], "--served-model-name"),
                                          (["generate", "hi", "--json-schema", "{not json"], "--json-schema"),
                                          (["generate", "hi", "--json-schema", "[1]"], "--json-schema"),
                                          (["generate", "hi", "--regex", "[a-"], "structured_output.regex"),
@@ -70,12 +72,14 @@ def free_port() -> int:
 def test_serve_answers_the_openai_client():
     """`mlsys serve` as deployed: its own process (and the engine's); startup is timed in benchmarks/serve.py. With
     speculative decoding on: the greedy answer is the same, and a reply that copies its prompt keeps drafts. With a
-    tool-call parser: tools under OpenAI's default tool_choice ("auto") are served (the model answers in text)."""
+    tool-call parser: tools under OpenAI's default tool_choice ("auto") are served (the model answers in text). Its
+    served name and API key (from MLSYS_API_KEY) are asked for."""
     port = free_port()
     start = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-m", "mlsyslab", "serve", "--port", str(port), "--threads", "2",
-                                "--kv-cache-gb", "0.2", "--speculative-tokens", "4", "--tool-call-parser", "hermes"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                "--kv-cache-gb", "0.2", "--speculative-tokens", "4", "--tool-call-parser", "hermes",
+                                "--served-model-name", "smol"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "MLSYS_API_KEY": "secret"})
     try:
         url = f"http://127.0.0.1:{port}"
         while time.perf_counter() - start < 120:
@@ -84,8 +88,11 @@ def test_serve_answers_the_openai_client():
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-        reply = client.chat.completions.create(model="default", max_tokens=20, temperature=0,
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=url + "/v1", api_key="secret", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["smol"]
+        reply = client.chat.completions.create(model="smol", max_tokens=20, temperature=0,
                                                messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert reply.choices[0].message.content == "The capital of France is Paris."
         clock = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}

@@ -271,6 +271,25 @@ def test_auto_tool_choice_parses_the_calls_the_model_writes_streamed_and_not(cli
     assert calls == [{"name": "get_weather", "arguments": call.function.arguments}] and reason == "tool_calls"
 
 
+def test_an_api_key_guards_the_v1_routes_and_the_served_name_is_the_models(server):
+    """As `mlsys serve --api-key secret --served-model-name smol`: /v1 asks for the key (401 in OpenAI's shape),
+    /health and /metrics do not; the model answers to its served name (and "default")."""
+    url, engine, tokenizer = server
+    with ServerThread(create_app(engine, tokenizer, "smol", EngineMetrics(), api_key="secret")) as guarded:
+        stranger = openai.OpenAI(base_url=guarded + "/v1", api_key="wrong", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError) as refused:
+            stranger.models.list()
+        assert refused.value.body["code"] == "invalid_api_key"
+        assert httpx.post(guarded + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 401
+        assert httpx.get(guarded + "/health").status_code == 200 and httpx.get(guarded + "/metrics").status_code == 200
+        client = openai.OpenAI(base_url=guarded + "/v1", api_key="secret", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["smol"]
+        reply = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=20, temperature=0)
+        assert reply.model == "smol" and reply.choices[0].message.content == "The capital of France is Paris."
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=2)
+
+
 def test_auto_tool_choice_needs_a_server_with_a_parser(server):
     url, engine, tokenizer = server
     without = create_app(engine, tokenizer, "SmolLM2-135M-Instruct", EngineMetrics())

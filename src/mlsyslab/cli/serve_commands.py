@@ -46,6 +46,12 @@ def serve_command(
         "--tool-call-parser", help="read the tool calls a model writes under tool_choice \"auto\" (OpenAI's default "
         "with tools) in its family's syntax: hermes (Hermes 2 Pro, Qwen 2.5/3, SmolLM2/3); default: \"auto\" is "
         "refused")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(
+        "--served-model-name", help="the name clients ask for (default: the model's; \"default\" is always "
+        "accepted)")] = None,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", envvar="MLSYS_API_KEY", help="ask every /v1 request for this key (Authorization: Bearer "
+        "<key>; /health and /metrics stay open)")] = None,
     cache_dir: CacheDir = None,
 ):
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
@@ -60,9 +66,12 @@ def serve_command(
     config = engine_config(kv_cache_gb, block_size, max_batched_tokens, max_running, max_waiting, prefix_cache,
                            decode_steps, speculative_tokens)
     start = time.perf_counter()
+    if served_model_name is not None and not served_model_name.strip():
+        raise InvalidValue("--served-model-name", served_model_name, "a non-empty name")
     load_model, load_tokenizer, name = loaders(model, dtype, threads, cache_dir)
+    name = served_model_name or name
     app, engine = build_server(load_model, load_tokenizer, name, config, threads or serving_threads(),
-                               tool_call_parser)
+                               tool_call_parser, api_key)
     typer.echo(f"serving {name} ({dtype}, {engine.stats.kv_blocks_total} KV blocks of {block_size} tokens) "
                f"at http://{host}:{port}/v1 — ready in {time.perf_counter() - start:.1f} s", err=True)
     try:

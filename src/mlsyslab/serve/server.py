@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -49,10 +50,10 @@ from mlsyslab.serve.tools import tool_call
 
 
 def build_server(model, tokenizer, model_name: str, config, threads: int | None = None,
-                 tool_parser: str | None = None) -> tuple[FastAPI, EngineProcess]:
+                 tool_parser: str | None = None, api_key: str | None = None) -> tuple[FastAPI, EngineProcess]:
     """An engine process for `model` with `config` (`EngineConfig`) and `threads` torch threads (None:
     torch's default), started, and the app serving it (reading tool_choice "auto" replies with `tool_parser`,
-    one of `serve.tool_parser.PARSERS`; None: "auto" is refused). `model` and `tokenizer` are a loaded `Llama` and
+    one of `serve.tool_parser.PARSERS`; None: "auto" is refused), asking for `api_key` if given. `model` and `tokenizer` are a loaded `Llama` and
     `Tokenizer`, or their loaders (`nn.pretrained.loaders`): then the engine process loads its own while
     this one loads the tokenizer and the chat template renderer, on the two cores at once (`mlsys serve`
     started in 10-11 s one after the other on a 2-core AVX2 host, 2026-11-24)."""
@@ -64,13 +65,24 @@ def build_server(model, tokenizer, model_name: str, config, threads: int | None 
     tokenizer.prepare_chat()
     engine.wait_started()
     metrics.watch(lambda: engine.stats)
-    return create_app(engine, tokenizer, model_name, metrics, tool_parser), engine
+    return create_app(engine, tokenizer, model_name, metrics, tool_parser, api_key), engine
 
 
 def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, metrics: EngineMetrics,
-               tool_parser: str | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` under the model name `model_name`."""
+               tool_parser: str | None = None, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` under the model name `model_name`. With `api_key`, every /v1 route asks for
+    it as OpenAI's clients send it (`Authorization: Bearer <key>`; a 401 otherwise, as vLLM's `--api-key`);
+    /health and /metrics stay open to probes and scrapers."""
     app = FastAPI(title="mlsyslab", version="0.1.0")
+
+    if api_key:
+        @app.middleware("http")
+        async def authorize(http: Request, call_next):
+            given = http.headers.get("authorization", "")
+            if http.url.path.startswith("/v1") and not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error_response(401, "a missing or wrong API key (send it as 'Authorization: Bearer <key>')",
+                                      "invalid_request_error", None, "invalid_api_key")
+            return await call_next(http)
     max_seq, capacity = engine.stats.max_seq, engine.stats.capacity_tokens
     created = int(time.time())
 
