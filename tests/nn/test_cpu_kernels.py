@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from mlsyslab.nn import cpu_kernels
-from mlsyslab.nn.llama import Llama, LlamaConfig, RMSNorm, apply_rope, rope_cos_sin, rope_inverse_frequencies
+from mlsyslab.nn.llama import Llama, LlamaConfig, RMSNorm
+from mlsyslab.nn.rope import apply_rope, rope_cos_sin, rope_inverse_frequencies
 from mlsyslab.nn.packed_linear import packed_for_inference
 from mlsyslab.nn.paged_attention import cache_rows, decode_attention, decode_batch
 

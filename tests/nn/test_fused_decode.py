@@ -12,7 +12,8 @@ from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.nn import packed_linear
 from mlsyslab.nn.packed_linear import packed_for_inference, streamed_below
 from mlsyslab.nn.paged_attention import DecodeSteps, PagedAttention, SequenceSlice
-from mlsyslab.serve.engine import Engine, EngineConfig
+from mlsyslab.nn.rope import RopeScaling
+from mlsyslab.serve.engine import LLM, Engine, EngineConfig
 from mlsyslab.serve.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels did not build here")
@@ -235,6 +236,20 @@ def test_engine_outputs_are_the_same_with_and_without_the_fused_decode(dtype):
         engine.check()
         outputs.append({output.request_id: output.output_ids for output in finished})
     assert outputs[0] == outputs[1]
+
+
+def test_a_model_with_llama3_rope_scaling_serves_its_training_paths_tokens():
+    """Scaled rotary frequencies (Llama 3.x's rule) reach every serving path: prefill chunks and the fused decode
+    step's rope tables."""
+    from tests.serve.tiny import greedy_reference
+
+    config = dataclasses.replace(CONFIG, rope_scaling=RopeScaling("llama3", 8.0, original_max_seq=64))
+    model = Llama(config).initialize(0.1, torch.Generator().manual_seed(3)).eval()
+    prompts = [[(7 * i + 5 * j) % CONFIG.vocab for j in range(5 + 9 * i)] for i in range(3)]
+    llm = LLM(model, config=EngineConfig(kv_cache_bytes=4_000_000, max_batched_tokens=16))
+    assert llm.engine.fused_decode is not None
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    assert [o.output_ids for o in outputs] == [greedy_reference(model, p, 32) for p in prompts]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

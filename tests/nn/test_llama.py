@@ -7,6 +7,7 @@ from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.hf_loader import load_hf_folder, save_hf_folder
 from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.nn.paged_attention import PagedAttention, SequenceSlice
+from mlsyslab.nn.rope import RopeScaling
 from mlsyslab.specs import catalog
 
 TINY = {"vocab": 96, "hidden": 32, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 8, "ffn_hidden": 64,
@@ -18,7 +19,11 @@ def tiny(dtype=torch.float32, seed=0, **changes) -> Llama:
     return Llama(config).to(dtype).initialize(0.5, torch.Generator().manual_seed(seed)).eval()
 
 
-@pytest.mark.parametrize("changes", [{}, {"tied_embeddings": False}, {"kv_heads": 4}, {"kv_heads": 1, "head_dim": 16}])
+@pytest.mark.parametrize("changes", [
+    {}, {"tied_embeddings": False}, {"kv_heads": 4}, {"kv_heads": 1, "head_dim": 16},
+    {"rope_scaling": RopeScaling("linear", 4.0)},
+    # wavelengths 6.3, 35, 199, 1117 against 64 / 4 and 64 / 1: one kept, one interpolated, two slowed by 8
+    {"rope_scaling": RopeScaling("llama3", 8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq=64)}])
 def test_logits_equal_hf_llama_on_the_same_weights(tmp_path, changes):
     from transformers import LlamaForCausalLM
 
@@ -27,6 +32,7 @@ def test_logits_equal_hf_llama_on_the_same_weights(tmp_path, changes):
     save_hf_folder(ours, tmp_path)
     theirs = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert theirs.config.tie_word_embeddings == ours.config.tied_embeddings
+    assert LlamaConfig.from_hf(theirs.config) == ours.config  # the rope scaling too, as transformers read it
     ids = torch.randint(ours.config.vocab, (3, 40))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), theirs(ids).logits, atol=2e-5, rtol=1e-5)
@@ -98,7 +104,9 @@ def test_config_rejects_what_is_not_llama():
     with pytest.raises(InvalidValue, match="kv_heads"):
         LlamaConfig(**{**TINY, "kv_heads": 3})
     with pytest.raises(InvalidValue, match="rope_type"):
-        LlamaConfig.from_hf({**LlamaConfig(**TINY).to_hf(), "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+        LlamaConfig.from_hf({**LlamaConfig(**TINY).to_hf(), "rope_scaling": {"rope_type": "yarn", "factor": 8.0}})
+    with pytest.raises(InvalidValue, match="high_freq_factor"):
+        RopeScaling("llama3", 8.0, low_freq_factor=4.0, high_freq_factor=1.0)
     with pytest.raises(InvalidValue, match="sequence length"):
         tiny()(torch.zeros(1, TINY["max_seq"] + 1, dtype=torch.long))
 

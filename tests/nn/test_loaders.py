@@ -18,6 +18,7 @@ from mlsyslab.nn.gguf_loader import (
 from mlsyslab.nn.hf_loader import load_hf_folder
 from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.nn.pretrained import load_pretrained, resolve_folder
+from mlsyslab.nn.rope import RopeScaling, base_frequencies
 
 CONFIG = LlamaConfig(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, ffn_hidden=48,
                      rope_theta=50000.0, rms_norm_eps=1e-5, tied_embeddings=False, max_seq=128)
@@ -27,10 +28,16 @@ LAYER_PARTS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
-def write_llama_gguf(model: Llama, path):
-    """A GGUF as llama.cpp's converter writes one: its names, Q/K rows permuted, fp32 tensors."""
+def write_llama_gguf(model: Llama, path, rope_freqs: np.ndarray | None = None):
+    """A GGUF as llama.cpp's converter writes one: its names, Q/K rows permuted, fp32 tensors (and Llama 3.x's
+    scaled frequencies as `rope_freqs`, or a linear scaling as keys)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
+    if config.rope_scaling is not None and config.rope_scaling.rope_type == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(config.rope_scaling.factor)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     writer.add_block_count(config.layers)
     writer.add_context_length(config.max_seq)
     writer.add_embedding_length(config.hidden)
@@ -68,6 +75,25 @@ def test_gguf_round_trip_restores_every_weight(tmp_path):
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
     assert cached_hf_folder(tmp_path / "tiny.gguf", tmp_path / "cache") == folder  # converted once
+
+
+@pytest.mark.parametrize("scaling", [RopeScaling("llama3", 8.0), RopeScaling("linear", 4.0)])
+def test_gguf_scaled_rope_becomes_rope_scaling(tmp_path, scaling):
+    """Llama 3.x's `rope_freqs` (computed as llama.cpp's converter does) and a linear scaling's keys come back as the
+    config's rope_scaling; divisors no llama3 parameters give are refused by name."""
+    config = replace(CONFIG, rope_theta=500000.0, rope_scaling=scaling)  # wavelengths 6, 167, 4443, 118k
+    model = Llama(config).initialize(0.5, torch.Generator().manual_seed(0))
+    freqs = base_frequencies(config.head_dim, config.rope_theta)
+    divisors = scaling.divisors(freqs).numpy() if scaling.rope_type == "llama3" else None
+    if divisors is not None:
+        assert divisors.min() == 1.0 and divisors.max() == 8.0 and ((divisors > 1) & (divisors < 8)).sum() == 1
+    write_llama_gguf(model, tmp_path / "scaled.gguf", divisors)
+    loaded = load_hf_folder(cached_hf_folder(tmp_path / "scaled.gguf", tmp_path / "cache"))
+    assert loaded.config.rope_scaling == scaling
+    if divisors is not None:
+        write_llama_gguf(model, tmp_path / "odd.gguf", divisors * [1.0, 1.0, 1.5, 1.0])
+        with pytest.raises(InvalidValue, match="rope_freqs"):
+            cached_hf_folder(tmp_path / "odd.gguf", tmp_path / "cache")
 
 
 def test_unpermute_inverts_llama_cpp_permutation():

@@ -134,6 +134,6 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """`nn.llama.apply_rope` in place on x [B, T, heads, head_dim] (a view of the fused q/k/v output)."""
+    """`nn.rope.apply_rope` in place on x [B, T, heads, head_dim] (a view of the fused q/k/v output)."""
     load().rope_(x.view(-1, *x.shape[2:]), cos.reshape(-1, x.shape[-1]), signed_sin.reshape(-1, x.shape[-1]))
     return x

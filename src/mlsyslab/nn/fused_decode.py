@@ -28,9 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from mlsyslab.nn import cpu_kernels
-from mlsyslab.nn.llama import Llama, rope_cos_sin, rope_inverse_frequencies
+from mlsyslab.nn.llama import Llama
 from mlsyslab.nn.packed_linear import Kernel, PackedLinear
 from mlsyslab.nn.paged_attention import DecodeSteps, PagedAttention
+from mlsyslab.nn.rope import rope_cos_sin, rope_inverse_frequencies
 
 
 @dataclass

@@ -5,6 +5,8 @@ hyper-parameters and its tokenizer with the chat template. We dequantise every t
 `gguf` package (the same routine transformers uses), undo llama.cpp's Q/K row permutation, and
 write an ordinary HF folder: config.json, model.safetensors (HF tensor names) and the tokenizer
 files. `nn.hf_loader` then loads it like any HF checkpoint, and so can transformers or vLLM.
+Scaled rotary frequencies become config.json's `rope_scaling`: "linear" from the `llama.rope.scaling.*` keys, and
+Llama 3.x's "llama3" from the `rope_freqs` tensor llama.cpp writes for it (`llama3_scaling`).
 
 The Q/K permutation: llama.cpp's converter reorders each head's rows of W_q and W_k from HF's
 "rotate half" layout (channel i pairs with i + d/2) to interleaved pairs (2i, 2i+1):
@@ -76,6 +78,9 @@ def convert_gguf(gguf_path: str | Path, folder: str | Path) -> None:
     for tensor in reader.tensors:
         weights = gguf.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         weights = weights.reshape([int(n) for n in reversed(tensor.shape)])
+        if tensor.name == "rope_freqs.weight":
+            config["rope_scaling"] = llama3_scaling(weights, config)
+            continue
         if ".attn_q." in tensor.name:
             weights = unpermute_qk(weights, config["num_attention_heads"])
         elif ".attn_k." in tensor.name:
@@ -109,10 +114,29 @@ def hf_config_from_gguf(metadata: dict) -> dict:
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)), "hidden_act": "silu",
         "max_position_embeddings": int(key("context_length", 2048)), "attention_bias": False, "mlp_bias": False,
     }
+    scaling = metadata.get("llama.rope.scaling.type", "none")
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    elif scaling != "none":
+        raise InvalidValue("llama.rope.scaling.type", scaling, "none or linear (llama3's comes as a rope_freqs tensor)")
     for token in ("bos", "eos", "padding"):
         if f"tokenizer.ggml.{token}_token_id" in metadata:
             config[f"{'pad' if token == 'padding' else token}_token_id"] = int(metadata[f"tokenizer.ggml.{token}_token_id"])
     return config
+
+
+def llama3_scaling(divisors: np.ndarray, config: dict) -> dict:
+    """The `rope_scaling` of a `rope_freqs` tensor: llama.cpp's converter writes Llama 3.x's scaled frequencies as
+    each frequency's divisor, from the checkpoint's factor and Meta's low_freq_factor 1, high_freq_factor 4 and
+    original context 8192. Read back as those parameters, checked to give the same divisors."""
+    from mlsyslab.nn.rope import RopeScaling, base_frequencies
+
+    scaling = RopeScaling("llama3", float(divisors.max()))
+    expected = scaling.divisors(base_frequencies(config["head_dim"], config["rope_theta"])).numpy()
+    if divisors.shape != expected.shape or not np.allclose(divisors, expected, rtol=1e-5):
+        raise InvalidValue("rope_freqs", np.array2string(divisors, precision=3, threshold=8),
+                           f"llama3's divisors for factor {scaling.factor:g} (low 1, high 4, original context 8192)")
+    return scaling.to_hf()
 
 
 def hf_tensor_name(gguf_name: str) -> str:

@@ -2,7 +2,7 @@
 
 Architecture (Touvron et al. 2023, "LLaMA"; GQA from Ainslie et al. 2023): token embedding, then
 `layers` pre-norm blocks of grouped-query attention with rotary position embeddings (Su et al.
-2021, base `rope_theta`) and a SwiGLU MLP (Shazeer 2020) — or, with `experts` > 0, a mixture of
+2021, base `rope_theta`, frequencies scaled as `rope_scaling` asks: `nn.rope`) and a SwiGLU MLP (Shazeer 2020) — or, with `experts` > 0, a mixture of
 SwiGLU experts from layer `dense_layers` on (`nn.moe`, as Mixtral / DeepSeek-MoE) — RMSNorm (Zhang &
 Sennrich 2019) before each and at the end, and an output head that may share the embedding matrix.
 Parameter names equal Hugging Face's `LlamaForCausalLM` with the `model.` prefix dropped, so an HF
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlsyslab.errors import InvalidValue
+from mlsyslab.nn.rope import RopeScaling, apply_rope, rope_cos_sin, rope_inverse_frequencies
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class LlamaConfig:
     head_dim: int
     ffn_hidden: int
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # None: the frequencies as θ gives them
     rms_norm_eps: float = 1e-5
     tied_embeddings: bool = True
     max_seq: int = 2048
@@ -124,9 +126,6 @@ class LlamaConfig:
         if model_type not in (None, "llama"):
             raise InvalidValue("model_type", model_type, "llama")
         rope = get("rope_parameters") or get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise InvalidValue("rope_type", rope_type, "default (scaled rotary embeddings are not implemented)")
         for flag in ("attention_bias", "mlp_bias"):
             if get(flag):
                 raise InvalidValue(flag, True, "False (Llama without biases)")
@@ -138,6 +137,7 @@ class LlamaConfig:
                    kv_heads=get("num_key_value_heads") or heads,
                    head_dim=get("head_dim") or get("hidden_size") // heads, ffn_hidden=get("intermediate_size"),
                    rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
+                   rope_scaling=RopeScaling.from_hf(rope),
                    rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
                    tied_embeddings=bool(get("tie_word_embeddings", False)),
                    max_seq=get("max_position_embeddings", 2048))
@@ -153,6 +153,7 @@ class LlamaConfig:
             "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps, "hidden_act": "silu",
             "tie_word_embeddings": self.tied_embeddings, "max_position_embeddings": self.max_seq,
             "attention_bias": False, "mlp_bias": False,
+            **({} if self.rope_scaling is None else {"rope_scaling": self.rope_scaling.to_hf()}),
         }
 
     def to_dict(self) -> dict:
@@ -320,26 +321,3 @@ def causal_attention(layer: int, q, k, v) -> torch.Tensor:
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          is_causal=q.shape[1] > 1, enable_gqa=True)
     return out.transpose(1, 2)
-
-
-def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
-    """θ^(-2i/d) for i < d/2: the rotation speed of each pair of channels (fp32, as HF; not a buffer,
-    so casting the model to bf16 never rounds it)."""
-    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
-    return 1.0 / (config.rope_theta ** exponents)
-
-
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """cos and signed sin of position·frequency, [B, T, 1, d]: frequencies repeated for both halves,
-    the sin of the first half negated (so `apply_rope` needs no negation of its own)."""
-    compute = torch.promote_types(dtype, torch.float32)
-    angles = positions[..., None].to(compute) * inv_freq.to(compute)
-    cos, sin = angles.cos(), angles.sin()
-    return torch.cat((cos, cos), dim=-1)[..., None, :].to(dtype), torch.cat((-sin, sin), dim=-1)[..., None, :].to(dtype)
-
-
-def apply_rope(x, cos, signed_sin):
-    """Rotate channel i with channel i + d/2 (the "rotate half" layout HF checkpoints use):
-    x·cos + (-x₂, x₁)·sin, the sign carried by `signed_sin` (bit-equal: (-a)·b = a·(-b))."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin

@@ -40,7 +40,8 @@ from mlsyslab.comm.log import CommLog
 from mlsyslab.comm.p2p import Wire
 from mlsyslab.errors import InvalidValue
 from mlsyslab.measure.memory import ActivationMeter
-from mlsyslab.nn.llama import Llama, causal_attention, rope_cos_sin, rope_inverse_frequencies
+from mlsyslab.nn.llama import Llama, causal_attention
+from mlsyslab.nn.rope import rope_cos_sin, rope_inverse_frequencies
 from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, MixtureOfExperts, balancing_losses
 from mlsyslab.parallel.context import ring_attention, zigzag_indices
 from mlsyslab.parallel.schedules import Schedule, Timeline
