@@ -6,7 +6,7 @@ import random
 
 import pytest
 from tokenizers import Tokenizer as Backend
-from tokenizers import models, pre_tokenizers
+from tokenizers import models, pre_tokenizers, processors
 
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.pretrained import resolve_folder
@@ -60,13 +60,17 @@ def test_incremental_detokenizer_streams_the_whole_text(pair):
 
 def test_a_template_kept_in_tokenizer_config_and_named_special_tokens(tmp_path):
     """Older folders keep the template in tokenizer_config.json (here as named templates); the template
-    sees the named special tokens, as transformers passes them."""
+    sees the named special tokens, as transformers passes them. A tokenizer that adds BOS itself (as Llama's and
+    Mistral's do) adds it to a plain prompt, not again to a chat the template began with one; the ids generation
+    stops at include generation_config.json's."""
     from transformers import AutoTokenizer
 
     vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, "hi": 3, "there": 4, "user": 5}
     backend = Backend(models.WordLevel(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.add_special_tokens(["<s>", "</s>"])
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 4]}))
     backend.save(str(tmp_path / "tokenizer.json"))
     template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }} {{ m['content'] }}{{ eos_token }}{% endfor %}"
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
@@ -77,7 +81,8 @@ def test_a_template_kept_in_tokenizer_config_and_named_special_tokens(tmp_path):
     expected = theirs.apply_chat_template(chat, tokenize=True)
     assert ours.chat_ids(chat, add_generation_prompt=False) == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
     assert ours.chat_ids(chat, add_generation_prompt=False) == [1, 5, 3, 4, 2]
-    assert ours.eos_token_ids == {2}
+    assert ours.encode("hi there") == list(theirs.encode("hi there")) == [1, 3, 4]
+    assert ours.eos_token_ids == {2, 4}
 
 
 def test_tools_and_earlier_tool_calls_reach_the_template_as_transformers_passes_them(tmp_path):

@@ -41,7 +41,7 @@ class Tokenizer:
         self.chat_template = template_file.read_text() if template_file.is_file() else default_template(config)
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
         eos = self.backend.token_to_id(self.special_tokens["eos_token"]) if "eos_token" in self.special_tokens else None
-        self.eos_token_ids = frozenset(i for i in (eos,) if i is not None)
+        self.eos_token_ids = frozenset(i for i in (eos, *generation_eos(folder)) if i is not None)
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text`, with the special tokens the model's tokenizer adds by default (none for SmolLM2)."""
@@ -61,7 +61,8 @@ class Tokenizer:
         render = self.prepare_chat()
         rendered, _ = render([messages], tools=tools, chat_template=self.chat_template,
                              add_generation_prompt=add_generation_prompt, **self.special_tokens)
-        return self.encode(rendered[0])
+        # the template writes the special tokens it wants (BOS): none added again, as transformers' apply_chat_template
+        return self.backend.encode(rendered[0], add_special_tokens=False).ids
 
     @staticmethod
     def prepare_chat():
@@ -73,6 +74,17 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """The text of one token on its own (for logprobs)."""
         return self.backend.decode([token_id], skip_special_tokens=False)
+
+
+def generation_eos(folder: Path) -> list[int]:
+    """The ids transformers' `generate` stops at besides the tokenizer's EOS: generation_config.json's eos_token_id,
+    else config.json's (Llama 3.x Instruct lists <|end_of_text|>, <|eom_id|> and <|eot_id|> there)."""
+    for name in ("generation_config.json", "config.json"):
+        if (folder / name).is_file():
+            eos = json.loads((folder / name).read_text()).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else list(eos)
+    return []
 
 
 def special_tokens(config: dict) -> dict:
