@@ -27,6 +27,11 @@ def test_generate_json(capsys, monkeypatch):
 
 
 
+def test_generate_prints_the_reply_then_its_speed(capsys, monkeypatch):
+    code, out, err = run(capsys, monkeypatch, "generate", "What is the capital of France?", "--threads", "2")
+    assert code == 0 and out == "The capital of France is Paris.\n" and "finish: stop" in err, (out, err)
+
+
 def test_generate_under_a_json_schema_or_a_regex(capsys, monkeypatch, tmp_path):
     schema = tmp_path / "capital.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"capital": {"type": "string", "maxLength": 20}},

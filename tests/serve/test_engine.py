@@ -69,6 +69,19 @@ def test_abort_frees_every_block(llm):
     assert engine.kv.num_used == 0 and not engine.has_work() and engine.abort("a") is None
 
 
+def test_stream_gives_the_deltas_then_the_output_and_leaving_early_aborts(llm):
+    prompt = llm.tokenizer.chat_ids(QUESTION)
+    *deltas, output = llm.stream(prompt, SamplingParams(max_tokens=24, temperature=0))
+    assert "".join(d.text for d in deltas) == output.text == "The capital of France is Paris."
+    assert output.output_ids == llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0))[0].output_ids
+    stream = llm.stream(prompt, SamplingParams(max_tokens=24, temperature=0))
+    next(stream)
+    stream.close()
+    assert not llm.engine.has_work()
+    llm.engine.check()
+    assert llm.engine.kv.num_used == llm.engine.scheduler.radix.num_nodes  # only the prefix cache holds blocks
+
+
 def test_requests_added_together_are_queued_all_or_none():
     from mlsyslab.errors import InvalidValue
     from mlsyslab.serve.scheduler import QueueFull

@@ -94,8 +94,9 @@ def generate_command(
     regex: Annotated[Optional[str], typer.Option("--regex", help="the reply must match this regular expression")] = None,
     cache_dir: CacheDir = None, json: Json = False,
 ):
-    """Generate a reply to one prompt in process, and say how fast."""
+    """Generate a reply to one prompt in process, printed as it comes, and say how fast."""
     from mlsyslab.serve.engine import LLM
+    from mlsyslab.serve.output import Delta
     from mlsyslab.serve.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
@@ -103,10 +104,10 @@ def generate_command(
     loaded, tokenizer, name = load(model, dtype, threads, cache_dir)
     llm = LLM(loaded, tokenizer, config=engine_config(0.2, 16, 512, 1, 1, False, speculative_tokens=speculative_tokens))
     start = time.perf_counter()
-    if raw:
-        (output,) = llm.generate([prompt], params)
-    else:
-        (output,) = llm.chat([[{"role": "user", "content": prompt}]], params)
+    prompt_ids = llm.encode(prompt) if raw else tokenizer.chat_ids([{"role": "user", "content": prompt}])
+    for output in llm.stream(prompt_ids, params):  # the text as it comes, then the finished request
+        if not json and isinstance(output, Delta):
+            typer.echo(output.text, nl=False)
     elapsed = time.perf_counter() - start
     decode_s = output.latency_s - (output.ttft_s or 0.0)  # the request's own clock: not the chat template's rendering
     result = {"model": name, "text": output.text, "finish_reason": output.finish_reason,
@@ -116,7 +117,7 @@ def generate_command(
     if json:
         emit_json(result)
         return
-    typer.echo(output.text)
+    typer.echo("")
     rate = f", {result['decode_tokens_per_s']:.1f} tok/s decode" if result["decode_tokens_per_s"] else ""
     typer.echo(f"[{name}: {result['completion_tokens']} tokens in {elapsed:.2f} s, "
                f"TTFT {1000 * (output.ttft_s or 0):.0f} ms{rate}, finish: {output.finish_reason}]", err=True)

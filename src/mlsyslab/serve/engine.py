@@ -8,7 +8,8 @@ AMX, for 16-bit weights an fp32 copy for steps of many tokens) with attention th
 (`nn.paged_attention`); rows that reached their last known token are sampled (`serve.sampling`; a structured
 output's grammar masks its row first and is advanced by the token drawn, `serve.grammar`);
 outputs are detokenized and checked for stop conditions (`serve.output`); finished requests free
-their blocks. `LLM.generate` adds every prompt and steps until all are done; `serve.engine_process`
+their blocks. `LLM.generate` adds every prompt and steps until all are done (`LLM.stream`: one prompt's deltas as
+they come); `serve.engine_process`
 runs the same step in a process of its own for the HTTP server.
 
 Cost per step: one pass over the weights (memory-bound at small batches: weight bytes / bandwidth
@@ -34,6 +35,7 @@ from __future__ import annotations
 import copy
 import itertools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -447,6 +449,18 @@ class LLM:
                 self.engine.abort(request_id)
             raise
         return [results[request_id] for request_id in order]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[Delta | RequestOutput]:
+        """One prompt's deltas as the steps make them, then its RequestOutput; leaving early aborts it."""
+        request_id = f"generate-{next(self.ids)}"
+        self.engine.add_request(request_id, self.encode(prompt), params if params is not None else SamplingParams())
+        try:
+            while self.engine.has_work():
+                deltas, finished = self.engine.step()
+                yield from (delta for delta in deltas if delta.request_id == request_id)
+                yield from (output for output in finished if output.request_id == request_id)
+        finally:
+            self.engine.abort(request_id)  # nothing left to free once it finished
 
     def chat(self, conversations: list[list[dict]], params: SamplingParams | None = None) -> list[RequestOutput]:
         """Generate the assistant's reply to each conversation, rendered with the model's chat template."""
