@@ -28,9 +28,9 @@ LAYER_PARTS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
-def write_llama_gguf(model: Llama, path, rope_freqs: np.ndarray | None = None):
+def write_llama_gguf(model: Llama, path, rope_freqs: np.ndarray | None = None, end_ids: dict | None = None):
     """A GGUF as llama.cpp's converter writes one: its names, Q/K rows permuted, fp32 tensors (and Llama 3.x's
-    scaled frequencies as `rope_freqs`, or a linear scaling as keys)."""
+    scaled frequencies as `rope_freqs`, or a linear scaling as keys; special token ids as `end_ids` names them)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
     if config.rope_scaling is not None and config.rope_scaling.rope_type == "linear":
@@ -38,6 +38,8 @@ def write_llama_gguf(model: Llama, path, rope_freqs: np.ndarray | None = None):
         writer.add_rope_scaling_factor(config.rope_scaling.factor)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    for name, token_id in (end_ids or {}).items():
+        writer.add_uint32(f"tokenizer.ggml.{name}_token_id", token_id)
     writer.add_block_count(config.layers)
     writer.add_context_length(config.max_seq)
     writer.add_embedding_length(config.hidden)
@@ -94,6 +96,21 @@ def test_gguf_scaled_rope_becomes_rope_scaling(tmp_path, scaling):
         write_llama_gguf(model, tmp_path / "odd.gguf", divisors * [1.0, 1.0, 1.5, 1.0])
         with pytest.raises(InvalidValue, match="rope_freqs"):
             cached_hf_folder(tmp_path / "odd.gguf", tmp_path / "cache")
+
+
+def test_gguf_end_of_generation_ids_become_eos_token_ids(tmp_path):
+    """llama.cpp ends a generation at EOS, EOT and EOM (Llama 3.x Instruct's <|end_of_text|>, <|eot_id|>,
+    <|eom_id|>): config.json lists them all, as transformers' generate and our tokenizer read it."""
+    import json
+
+    from mlsyslab.nn.tokenizer import generation_eos
+
+    model = Llama(CONFIG).initialize(0.5, torch.Generator().manual_seed(0))
+    write_llama_gguf(model, tmp_path / "ends.gguf", end_ids={"eos": 60, "eot": 61, "eom": 62, "bos": 59})
+    folder = cached_hf_folder(tmp_path / "ends.gguf", tmp_path / "cache")
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["eos_token_id"], config["bos_token_id"]) == ([60, 61, 62], 59)
+    assert generation_eos(folder) == [60, 61, 62]
 
 
 def test_unpermute_inverts_llama_cpp_permutation():

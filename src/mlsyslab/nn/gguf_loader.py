@@ -119,9 +119,15 @@ def hf_config_from_gguf(metadata: dict) -> dict:
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
     elif scaling != "none":
         raise InvalidValue("llama.rope.scaling.type", scaling, "none or linear (llama3's comes as a rope_freqs tensor)")
-    for token in ("bos", "eos", "padding"):
+    for token in ("bos", "padding"):
         if f"tokenizer.ggml.{token}_token_id" in metadata:
             config[f"{'pad' if token == 'padding' else token}_token_id"] = int(metadata[f"tokenizer.ggml.{token}_token_id"])
+    # every id llama.cpp ends a generation at (its end-of-generation tokens: Llama 3.x Instruct's <|eot_id|> and
+    # <|eom_id|> besides EOS), as transformers reads config.json's eos_token_id: one id, or a list
+    ends = list(dict.fromkeys(int(metadata[f"tokenizer.ggml.{name}_token_id"]) for name in ("eos", "eot", "eom")
+                              if f"tokenizer.ggml.{name}_token_id" in metadata))
+    if ends:
+        config["eos_token_id"] = ends[0] if len(ends) == 1 else ends
     return config
 
 
