@@ -248,27 +248,37 @@ def test_a_conversation_with_a_tool_result_goes_on_in_text(client):
     assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
 
 
-def test_auto_tool_choice_parses_the_calls_the_model_writes_streamed_and_not(client):
+CALL = {"city": "Paris", "unit": "celsius"}
+WRITTEN = {  # parser -> (what the model is made to write, the content that comes back)
+    "hermes": ("Let me check. <tool_call>" + json.dumps({"name": "get_weather", "arguments": CALL}) + "</tool_call>",
+               "Let me check. "),
+    "llama3_json": ("<|python_tag|>" + json.dumps({"name": "get_weather", "parameters": CALL}), None)}
+
+
+@pytest.mark.parametrize("parser", list(WRITTEN))
+def test_auto_tool_choice_parses_the_calls_the_model_writes_streamed_and_not(server, parser):
     """"auto" (OpenAI's default with tools): a reply without a call is the answer given without tools (SmolLM2's
-    template shows it none); a reply that writes a call — made to here by a choice, as this model does not of itself
-    — comes back as content and `tool_calls`, streamed as non-streamed."""
-    plain = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=20,
-                                           temperature=0, tools=[WEATHER, CLOCK])
-    assert plain.choices[0].message.content == "The capital of France is Paris."
-    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "stop"
-    written = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>'
-    options = dict(model="SmolLM2-135M-Instruct", messages=WEATHER_QUESTION, tools=[WEATHER, CLOCK], max_tokens=120,
-                   temperature=0, tool_choice="auto", extra_body={"structured_outputs": {"choice": [
-                       "Let me check. " + written]}})
-    choice = client.chat.completions.create(**options).choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check. "
-    (call,) = choice.message.tool_calls
-    assert call.function.name == "get_weather"
-    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
-    chunks = list(client.chat.completions.create(**options, stream=True))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Let me check. "
-    calls, reason = streamed_tool_calls(chunks)
-    assert calls == [{"name": "get_weather", "arguments": call.function.arguments}] and reason == "tool_calls"
+    template shows it none); a reply that writes a call in the parser's syntax — made to here by a choice, as this
+    model does not of itself — comes back as content and `tool_calls`, streamed as non-streamed."""
+    url, engine, tokenizer = server
+    with ServerThread(create_app(engine, tokenizer, "SmolLM2-135M-Instruct", EngineMetrics(), parser)) as parsing:
+        client = openai.OpenAI(base_url=parsing + "/v1", api_key="none", timeout=60, max_retries=0)
+        plain = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=20,
+                                               temperature=0, tools=[WEATHER, CLOCK])
+        assert plain.choices[0].message.content == "The capital of France is Paris."
+        assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "stop"
+        written, content = WRITTEN[parser]
+        options = dict(model="SmolLM2-135M-Instruct", messages=WEATHER_QUESTION, tools=[WEATHER, CLOCK],
+                       max_tokens=120, temperature=0, tool_choice="auto",
+                       extra_body={"structured_outputs": {"choice": [written]}})
+        choice = client.chat.completions.create(**options).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == content
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == CALL
+        chunks = list(client.chat.completions.create(**options, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (content or "")
+        calls, reason = streamed_tool_calls(chunks)
+        assert calls == [{"name": "get_weather", "arguments": call.function.arguments}] and reason == "tool_calls"
 
 
 def test_an_api_key_guards_the_v1_routes_and_the_served_name_is_the_models(server):

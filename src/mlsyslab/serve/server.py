@@ -45,7 +45,6 @@ from mlsyslab.serve.protocol import (
 from mlsyslab.serve.sampling import SamplingParams
 from mlsyslab.serve.scheduler import QueueFull
 from mlsyslab.serve.tool_parser import PARSERS, ToolCallStream
-from mlsyslab.serve.tool_parser import parse as parse_tool_calls
 from mlsyslab.serve.tools import tool_call
 
 
@@ -53,10 +52,10 @@ def build_server(model, tokenizer, model_name: str, config, threads: int | None 
                  tool_parser: str | None = None, api_key: str | None = None) -> tuple[FastAPI, EngineProcess]:
     """An engine process for `model` with `config` (`EngineConfig`) and `threads` torch threads (None:
     torch's default), started, and the app serving it (reading tool_choice "auto" replies with `tool_parser`,
-    one of `serve.tool_parser.PARSERS`; None: "auto" is refused), asking for `api_key` if given. `model` and `tokenizer` are a loaded `Llama` and
-    `Tokenizer`, or their loaders (`nn.pretrained.loaders`): then the engine process loads its own while
-    this one loads the tokenizer and the chat template renderer, on the two cores at once (`mlsys serve`
-    started in 10-11 s one after the other on a 2-core AVX2 host, 2026-11-24)."""
+    one of `serve.tool_parser.PARSERS`; None: "auto" is refused), asking for `api_key` if given. `model` and
+    `tokenizer` are a loaded `Llama` and `Tokenizer`, or their loaders (`nn.pretrained.loaders`): then the engine
+    process loads its own while this one loads the tokenizer and the chat template renderer, on the two cores at
+    once (`mlsys serve` started in 10-11 s one after the other on a 2-core AVX2 host, 2026-11-24)."""
     if tool_parser not in (None, *PARSERS):
         raise InvalidValue("tool_parser", tool_parser, f"null or one of {', '.join(PARSERS)}")
     metrics = EngineMetrics()
@@ -244,7 +243,7 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
         def parsed_deltas(delta, index, call):
             """"auto": content as it comes (held where it may open a call), the calls the model wrote whole at the
             end."""
-            stream = streams.setdefault(index, ToolCallStream(set(schemas)))
+            stream = streams.setdefault(index, ToolCallStream(PARSERS[tool_parser], set(schemas)))
             content, calls = stream.add(delta.text), []
             if delta.finish_reason:
                 rest, calls = stream.finish()
@@ -277,7 +276,7 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
 
         def render_output(output, call):
             if tools is not None and tools.auto:
-                content, calls = parse_tool_calls(output.text, set(schemas))
+                content, calls = PARSERS[tool_parser].parse(output.text, set(schemas))
                 return {"message": {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})},
                         "logprobs": logprobs_of(output.logprobs or [], call),
                         "finish_reason": called(output.finish_reason, calls)}

@@ -2,17 +2,18 @@
 
 With "auto" the model decides: it sees the tools through its chat template and either answers or writes calls,
 and nothing constrains which. Its reply is parsed afterwards, as vLLM does under `--enable-auto-tool-choice
---tool-call-parser`; `mlsys serve --tool-call-parser hermes` turns it on (without it, "auto" is a 400).
+--tool-call-parser`; `mlsys serve --tool-call-parser NAME` turns it on (without it, "auto" is a 400). Two syntaxes:
+- hermes — NousResearch's Hermes 2 Pro format, which Qwen 2.5 / 3 and SmolLM2 / 3 were trained on: each call is
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, and SmolLM2's put a JSON list of such calls in one
+  tag. The text before the first tag is the message's content (null when only whitespace).
+- llama3_json — Meta's Llama 3.1 / 3.2 / 3.3 JSON tool calling: the reply is the call itself,
+  `{"name": ..., "parameters": {...}}` (several separated by ";"), maybe after `<|python_tag|>`; content null.
+Either reads "parameters" where "arguments" is missing. A reply that does not hold such calls of the given tools —
+JSON that does not parse, a name not among the tools, a call cut off by max_tokens — comes back as it is, as content:
+nothing the model wrote is dropped or made up.
 
-hermes — NousResearch's Hermes 2 Pro format, which Qwen 2.5 / 3 and SmolLM2 / 3 were trained on: each call is
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, and SmolLM2's put a JSON list of such calls in one tag
-("parameters" is read where "arguments" is missing). The text before the first tag is the message's content (null
-when only whitespace). A reply whose tags do not hold such calls of the given tools — JSON that does not parse, a
-name not among the tools, a tag cut off by max_tokens — comes back as it is, as content: nothing the model wrote is
-dropped or made up.
-
-Streaming (`ToolCallStream`): content goes out as it comes, except a tail that could be the start of a tag; once a
-tag opens, the rest waits for the reply's end and the calls come whole. The content streamed is the content the
+Streaming (`ToolCallStream`): content goes out as it comes, except a tail that could be the start of a call; once a
+call starts, the rest waits for the reply's end and the calls come whole. The content streamed is the content the
 same reply gets unstreamed. Tested in tests/serve/test_tool_parser.py and, through the server, test_server.py.
 """
 
@@ -23,64 +24,111 @@ import re
 
 from mlsyslab.serve.tools import tool_call
 
-PARSERS = ("hermes",)
-START, END = "<tool_call>", "</tool_call>"
-TAGGED = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|\Z)", re.S)
+
+def openai_call(call, tools: set[str]) -> dict | None:
+    """A parsed {"name", "arguments" or "parameters"} as OpenAI's tool call; None unless it calls one of `tools`."""
+    if not isinstance(call, dict):
+        return None
+    name, arguments = call.get("name"), call.get("arguments", call.get("parameters", {}))
+    if not isinstance(arguments, (dict, str)) or not isinstance(name, str) or name not in tools:
+        return None
+    return tool_call(name, arguments if isinstance(arguments, str) else json.dumps(arguments))
 
 
-def parse(text: str, tools: set[str]) -> tuple[str | None, list[dict]]:
-    """(content, OpenAI `tool_calls`) of a whole reply; the reply as content and no calls if its tags do not
-    hold calls of `tools`."""
-    start = text.find(START)
-    if start < 0:
-        return text, []
-    calls = []
-    for tagged in TAGGED.findall(text, start):
-        try:
-            found = json.loads(tagged)
-        except json.JSONDecodeError:
+def may_begin(marker: str, text: str) -> int:
+    """Characters at the end of `text` that may begin `marker` (sent once the next token shows they do not)."""
+    return next((size for size in range(min(len(marker) - 1, len(text)), 0, -1) if marker.startswith(text[-size:])), 0)
+
+
+class Hermes:
+    """`<tool_call>{...}</tool_call>` tags, anywhere after the content."""
+
+    START, END = "<tool_call>", "</tool_call>"
+    TAGGED = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|\Z)", re.S)
+
+    def parse(self, text: str, tools: set[str]) -> tuple[str | None, list[dict]]:
+        """(content, OpenAI `tool_calls`) of a whole reply; the reply as content and no calls if its tags do not
+        hold calls of `tools`."""
+        start = text.find(self.START)
+        if start < 0:
             return text, []
-        for call in found if isinstance(found, list) else [found]:
-            if not isinstance(call, dict):
+        calls = []
+        for tagged in self.TAGGED.findall(text, start):
+            try:
+                found = json.loads(tagged)
+            except json.JSONDecodeError:
                 return text, []
-            name, arguments = call.get("name"), call.get("arguments", call.get("parameters", {}))
-            if not isinstance(arguments, (dict, str)) or not isinstance(name, str) or name not in tools:
+            for call in found if isinstance(found, list) else [found]:
+                calls.append(openai_call(call, tools))
+        if not calls or None in calls:
+            return text, []
+        return (text[:start] if text[:start].strip() else None), calls
+
+    def call_start(self, text: str, sent: int) -> int | None:
+        """Where a call begins in `text` past the `sent` characters (None: not yet)."""
+        start = text.find(self.START, sent)
+        return None if start < 0 else start
+
+    def held_back(self, text: str) -> int:
+        return may_begin(self.START, text)
+
+
+class Llama3Json:
+    """The whole reply is the calls: JSON objects separated by ";", maybe after `<|python_tag|>`."""
+
+    TAG = "<|python_tag|>"
+
+    def parse(self, text: str, tools: set[str]) -> tuple[str | None, list[dict]]:
+        body = text.strip().removeprefix(self.TAG).lstrip()
+        if not body.startswith("{"):
+            return text, []
+        decoder, calls, at = json.JSONDecoder(), [], 0
+        while at < len(body):
+            try:
+                call, at = decoder.raw_decode(body, at)
+            except json.JSONDecodeError:
                 return text, []
-            calls.append(tool_call(name, arguments if isinstance(arguments, str) else json.dumps(arguments)))
-    if not calls:
-        return text, []
-    return (text[:start] if text[:start].strip() else None), calls
+            calls.append(openai_call(call, tools))
+            while at < len(body) and (body[at].isspace() or body[at] == ";"):
+                at += 1
+        return (None, calls) if None not in calls else (text, [])
+
+    def call_start(self, text: str, sent: int) -> int | None:
+        """A call only opens the reply: its first characters past whitespace, once they show it."""
+        body = text.lstrip()
+        return len(text) - len(body) if sent == 0 and body.startswith(("{", self.TAG)) else None
+
+    def held_back(self, text: str) -> int:
+        return len(text) if self.TAG.startswith(text.lstrip()) else 0  # nothing yet, or part of the tag
+
+
+PARSERS = {"hermes": Hermes(), "llama3_json": Llama3Json()}
 
 
 class ToolCallStream:
     """One streamed reply: `add` gives the content to send now, `finish` the rest and the calls."""
 
-    def __init__(self, tools: set[str]):
-        self.tools = tools
+    def __init__(self, parser, tools: set[str]):
+        self.parser, self.tools = parser, tools
         self.text = ""
         self.sent = 0  # characters of `text` sent as content
-        self.in_call = False  # a tag has opened: hold everything until the end
+        self.in_call = False  # a call has begun: hold everything until the end
 
     def add(self, piece: str) -> str:
         self.text += piece
         if self.in_call:
             return ""
-        start = self.text.find(START, self.sent)
-        if start >= 0:
+        start = self.parser.call_start(self.text, self.sent)
+        if start is not None:
             self.in_call = True
             end = start if self.text[:start].strip() else self.sent  # whitespace alone before a call is not content
         else:
-            end = len(self.text) - held_back(self.text)
+            end = len(self.text) - self.parser.held_back(self.text)
             end = end if self.text[:end].strip() else self.sent  # whitespace alone may yet precede a call
         release, self.sent = self.text[self.sent:end], max(self.sent, end)
         return release
 
     def finish(self) -> tuple[str, list[dict]]:
         """The content not yet sent, and the calls (none: the rest of the reply is content)."""
-        _, calls = parse(self.text, self.tools)
+        _, calls = self.parser.parse(self.text, self.tools)
         return ("" if calls else self.text[self.sent:]), calls
-
-
-def held_back(text: str) -> int:
-    """Characters at the end of `text` that may begin a tag (sent once the next token shows they do not)."""
-    return next((size for size in range(min(len(START) - 1, len(text)), 0, -1) if START.startswith(text[-size:])), 0)
