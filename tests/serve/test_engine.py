@@ -192,3 +192,43 @@ def test_prompt_logprobs_equal_the_training_paths_through_chunks_cache_and_preem
     assert tight.engine.scheduler.preemptions > 0
     for llm in (roomy, tight):
         llm.engine.check()
+
+
+def test_a_llama3_style_folder_chats_as_transformers_generates(tmp_path):
+    """A folder shaped as Llama 3.x's (llama3 rotary scaling, a 131,072-token context, a tokenizer that adds BOS
+    itself, generation_config.json's EOS list), random weights, SmolLM2's vocabulary and template: our chat prompt
+    and greedy reply equal transformers' apply_chat_template and generate on the same folder."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mlsyslab.nn.hf_loader import save_hf_folder
+    from mlsyslab.nn.llama import Llama, LlamaConfig
+    from mlsyslab.nn.pretrained import resolve_folder
+    from mlsyslab.nn.rope import RopeScaling
+
+    config = LlamaConfig(vocab=49152, hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, ffn_hidden=256,
+                         rope_theta=500000.0, rope_scaling=RopeScaling("llama3", 32.0), max_seq=131072)
+    save_hf_folder(Llama(config).initialize(0.5, torch.Generator().manual_seed(0)).eval(), tmp_path)
+    for file in resolve_folder("default").iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens")) or file.suffix == ".jinja":
+            shutil.copy(file, tmp_path / file.name)
+    tokenizer_json = json.loads((tmp_path / "tokenizer.json").read_text())
+    bos = {"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}
+    tokenizer_json["post_processor"] = {
+        "type": "TemplateProcessing", "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+
+    llm = LLM(str(tmp_path))
+    assert llm.engine.source_model.config.rope_scaling == config.rope_scaling and llm.tokenizer.eos_token_ids == {0, 2}
+    (ours,) = llm.chat([QUESTION], SamplingParams(max_tokens=16, temperature=0))
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path))
+    prompt = theirs.apply_chat_template(QUESTION, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    assert ours.prompt_ids == prompt["input_ids"][0].tolist() and ours.prompt_ids[:2] != [1, 1]
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    expected = model.generate(**prompt, max_new_tokens=16, do_sample=False)[0, len(ours.prompt_ids):].tolist()
+    assert ours.output_ids == expected
