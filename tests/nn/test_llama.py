@@ -52,6 +52,25 @@ def test_hf_checkpoint_loads_into_ours(tmp_path):
         torch.testing.assert_close(ours(ids), theirs(ids).logits, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 16])
+def test_a_mistral_checkpoint_loads_and_equals_hf_mistral(tmp_path, window):
+    """Mistral is Llama with a sliding window: none (v0.2 on) changes nothing; one shorter than the context caps the
+    context at it, where attention is plain causal attention (v0.1)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(2)
+    theirs = MistralForCausalLM(MistralConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, rope_theta=1000.0, rms_norm_eps=1e-6,
+        sliding_window=window, tie_word_embeddings=False)).eval()
+    theirs.save_pretrained(tmp_path)
+    ours = load_hf_folder(tmp_path)
+    assert ours.config.max_seq == (window or 64)
+    ids = torch.randint(96, (2, ours.config.max_seq))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), theirs(ids).logits, atol=2e-5, rtol=1e-5)
+
+
 def test_packed_paged_path_equals_training_path():
     """Three sequences in chunks of uneven length, K/V through shuffled blocks, in fp64: same logits."""
     model = tiny(torch.float64)
@@ -105,6 +124,8 @@ def test_config_rejects_what_is_not_llama():
         LlamaConfig(**{**TINY, "kv_heads": 3})
     with pytest.raises(InvalidValue, match="rope_type"):
         LlamaConfig.from_hf({**LlamaConfig(**TINY).to_hf(), "rope_scaling": {"rope_type": "yarn", "factor": 8.0}})
+    with pytest.raises(InvalidValue, match="model_type"):
+        LlamaConfig.from_hf({**LlamaConfig(**TINY).to_hf(), "model_type": "qwen2"})
     with pytest.raises(InvalidValue, match="high_freq_factor"):
         RopeScaling("llama3", 8.0, low_freq_factor=4.0, high_freq_factor=1.0)
     with pytest.raises(InvalidValue, match="sequence length"):

@@ -120,11 +120,16 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf) -> LlamaConfig:
-        """From a transformers `LlamaConfig` (or its config.json as a dict)."""
+        """From a transformers `LlamaConfig` (or its config.json as a dict). Mistral's is the same architecture with a
+        sliding window (each token attends to the last `sliding_window` positions, itself included): with contexts
+        no longer than the window that is plain causal attention, so a window under the model's context caps max_seq
+        at it (Mistral 7B v0.1: 4,096 of 32,768), and none (v0.2 on) changes nothing."""
         get = hf.get if isinstance(hf, dict) else (lambda key, default=None: getattr(hf, key, default))
         model_type = get("model_type")
-        if model_type not in (None, "llama"):
-            raise InvalidValue("model_type", model_type, "llama")
+        if model_type not in (None, "llama", "mistral"):
+            raise InvalidValue("model_type", model_type, "llama or mistral")
+        max_seq = get("max_position_embeddings", 2048)
+        window = get("sliding_window") if model_type == "mistral" else None
         rope = get("rope_parameters") or get("rope_scaling") or {}
         for flag in ("attention_bias", "mlp_bias"):
             if get(flag):
@@ -140,7 +145,7 @@ class LlamaConfig:
                    rope_scaling=RopeScaling.from_hf(rope),
                    rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
                    tied_embeddings=bool(get("tie_word_embeddings", False)),
-                   max_seq=get("max_position_embeddings", 2048))
+                   max_seq=max_seq if window is None else min(max_seq, window))
 
     def to_hf(self) -> dict:
         """The config.json Hugging Face's LlamaForCausalLM reads for this shape."""
