@@ -33,8 +33,8 @@ from mlsyslab.serve.metrics import EngineMetrics
 from mlsyslab.serve.output import RequestOutput
 from mlsyslab.serve.protocol import (
     ChatRequest,
-    best_choices,
     CompletionRequest,
+    best_choices,
     chat_logprobs,
     completion_logprobs,
     echoed,
@@ -82,6 +82,7 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
                 return error_response(401, "a missing or wrong API key (send it as 'Authorization: Bearer <key>')",
                                       "invalid_request_error", None, "invalid_api_key")
             return await call_next(http)
+
     max_seq, capacity = engine.stats.max_seq, engine.stats.capacity_tokens
     created = int(time.time())
 
