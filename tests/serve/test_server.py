@@ -100,6 +100,16 @@ def test_min_tokens_holds_back_the_end(client):
                                        extra_body={"min_tokens": 5})
 
 
+def test_skip_special_tokens_false_shows_them_in_the_text(client):
+    """vLLM's extension: with EOS ignored the reply goes on past <|im_end|>, which shows only when asked."""
+    def reply(**extra):
+        return client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=12,
+                                              temperature=0, extra_body={"ignore_eos": True, **extra})
+    shown = reply(skip_special_tokens=False).choices[0].message.content
+    assert shown.startswith("The capital of France is Paris.<|im_end|>")
+    assert "<|im_end|>" not in reply().choices[0].message.content
+
+
 def test_models_health_metrics(client, server):
     assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
     assert httpx.get(server[0] + "/health").json() == {"status": "ok"}

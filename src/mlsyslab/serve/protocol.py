@@ -5,7 +5,7 @@ ones are ignored, as OpenAI-compatible servers do); fields we cannot honour (suf
 with a 400 that names them rather than silently ignored. Tools with a named tool_choice or "required" are calls
 decoded under a grammar (`serve.tools`); with "auto", calls the model chose to write (`serve.tool_parser`).
 Extensions shared with vLLM: top_k, min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids,
-and `structured_outputs`.
+skip_special_tokens (false: the reply's text shows its special tokens) and `structured_outputs`.
 
 Structured outputs (`serve.grammar`), on both endpoints: OpenAI's `response_format` — {"type": "json_object"}
 or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}} — or vLLM's `structured_outputs` with
@@ -70,6 +70,7 @@ class CommonRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -102,7 +103,8 @@ class CommonRequest(BaseModel):
                    if getattr(self, name) is not None}
         return SamplingParams(max_tokens=max_tokens, seed=self.seed, logit_bias=self.bias(),
                               stop=tuple(as_list(self.stop)), stop_token_ids=tuple(self.stop_token_ids or ()),
-                              ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                               structured_output=self.structured_output(), **options)
 
     @property
