@@ -128,6 +128,9 @@ def test_config_rejects_what_is_not_llama():
         LlamaConfig.from_hf({**LlamaConfig(**TINY).to_hf(), "model_type": "qwen2"})
     with pytest.raises(InvalidValue, match="high_freq_factor"):
         RopeScaling("llama3", 8.0, low_freq_factor=4.0, high_freq_factor=1.0)
+    with pytest.raises(InvalidValue, match="rope_scaling.original_max_position_embeddings"):
+        LlamaConfig.from_hf({**LlamaConfig(**TINY).to_hf(), "rope_scaling": {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}})
     with pytest.raises(InvalidValue, match="sequence length"):
         tiny()(torch.zeros(1, TINY["max_seq"] + 1, dtype=torch.long))
 

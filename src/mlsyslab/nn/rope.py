@@ -51,10 +51,15 @@ class RopeScaling:
             return None
         if rope_type not in RULES:  # before reading fields other rules name differently
             raise InvalidValue("rope_type", rope_type, f"default, {', '.join(RULES)}")
+        def field(name: str):
+            if not isinstance(rope.get(name), (int, float)):
+                raise InvalidValue(f"rope_scaling.{name}", rope.get(name), f"a number (rope_type {rope_type})")
+            return rope[name]
+
         llama3 = {} if rope_type == "linear" else {
-            "low_freq_factor": float(rope["low_freq_factor"]), "high_freq_factor": float(rope["high_freq_factor"]),
-            "original_max_seq": int(rope["original_max_position_embeddings"])}
-        return cls(rope_type, float(rope["factor"]), **llama3)
+            "low_freq_factor": float(field("low_freq_factor")), "high_freq_factor": float(field("high_freq_factor")),
+            "original_max_seq": int(field("original_max_position_embeddings"))}
+        return cls(rope_type, float(field("factor")), **llama3)
 
     def to_hf(self) -> dict:
         """The `rope_scaling` transformers reads."""

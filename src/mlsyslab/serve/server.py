@@ -203,6 +203,7 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
                                    f"--tool-call-parser, one of {', '.join(PARSERS)})")
         except MlsysError as error:
             return error_for(error)
+        parser = PARSERS[tool_parser] if tools is not None and tools.auto else None  # "auto": replies read for calls
         replies: dict[int, str] = {}  # each choice's text so far, where replies are tool calls
         streams: dict[int, ToolCallStream] = {}  # each choice's reply so far, where the model may write calls
 
@@ -210,7 +211,7 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
             return chat_logprobs(tokenizer, sampled) if call.params.logprobs is not None else None
 
         def render_delta(delta, index, call):
-            if tools is not None and tools.auto:
+            if parser is not None:
                 return parsed_deltas(delta, index, call)
             if tools is not None:
                 return tool_call_deltas(delta, index)
@@ -244,7 +245,7 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
         def parsed_deltas(delta, index, call):
             """"auto": content as it comes (held where it may open a call), the calls the model wrote whole at the
             end."""
-            stream = streams.setdefault(index, ToolCallStream(PARSERS[tool_parser], set(schemas)))
+            stream = streams.setdefault(index, ToolCallStream(parser, set(schemas)))
             content, calls = stream.add(delta.text), []
             if delta.finish_reason:
                 rest, calls = stream.finish()
@@ -276,8 +277,8 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
             return {"role": "assistant", "content": text, "tool_calls": []}, reason
 
         def render_output(output, call):
-            if tools is not None and tools.auto:
-                content, calls = PARSERS[tool_parser].parse(output.text, set(schemas))
+            if parser is not None:
+                content, calls = parser.parse(output.text, set(schemas))
                 return {"message": {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})},
                         "logprobs": logprobs_of(output.logprobs or [], call),
                         "finish_reason": called(output.finish_reason, calls)}
