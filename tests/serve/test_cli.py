@@ -52,7 +52,7 @@ def test_generate_under_a_json_schema_or_a_regex(capsys, monkeypatch, tmp_path):
                                          (["serve", "--kv-cache-gb", "0"], "--kv-cache-gb"),
                                          (["serve", "--decode-steps", "0"], "--decode-steps"),
                                          (["serve", "--speculative-tokens", "-1"], "--speculative-tokens"),
-                                         (["serve", "--tool-call-parser", "mistral"], "--tool-call-parser"),
+                                         (["serve", "--tool-call-parser", "pythonic"], "--tool-call-parser"),
                                          (["serve", "--served-model-name", " "], "--served-model-name"),
                                          (["generate", "hi", "--json-schema", "{not json"], "--json-schema"),
                                          (["generate", "hi", "--json-schema", "[1]"], "--json-schema"),

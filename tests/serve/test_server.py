@@ -262,7 +262,8 @@ CALL = {"city": "Paris", "unit": "celsius"}
 WRITTEN = {  # parser -> (what the model is made to write, the content that comes back)
     "hermes": ("Let me check. <tool_call>" + json.dumps({"name": "get_weather", "arguments": CALL}) + "</tool_call>",
                "Let me check. "),
-    "llama3_json": ("<|python_tag|>" + json.dumps({"name": "get_weather", "parameters": CALL}), None)}
+    "llama3_json": ("<|python_tag|>" + json.dumps({"name": "get_weather", "parameters": CALL}), None),
+    "mistral": ("[TOOL_CALLS]" + json.dumps([{"name": "get_weather", "arguments": CALL}]), None)}
 
 
 @pytest.mark.parametrize("parser", list(WRITTEN))

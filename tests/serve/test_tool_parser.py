@@ -1,5 +1,5 @@
-"""Tool calls read from a reply (tool_choice "auto"; the hermes and llama3_json formats): whole, and streamed in any
-pieces."""
+"""Tool calls read from a reply (tool_choice "auto"; the hermes, llama3_json and mistral formats): whole, and streamed
+in any pieces."""
 
 import json
 
@@ -39,8 +39,20 @@ LLAMA3 = {
     "<|python_tag|>print(1)": "as text",
     **{reply: "as text" for reply in PLAIN},
 }
-CASES = [("hermes", reply, expected) for reply, expected in HERMES.items()] + \
-        [("llama3_json", reply, expected) for reply, expected in LLAMA3.items()]
+MISTRAL = {
+    f"[TOOL_CALLS][{WEATHER}, {CLOCK}]": (None, [PARIS, UTC]),
+    f" [TOOL_CALLS] [{CLOCK}]": (None, [UTC]),
+    f"[{WEATHER}]": (None, [PARIS]),  # the control token dropped from the text
+    f"[TOOL_CALLS]{WEATHER}": "as text",  # not a list
+    f"[TOOL_CALLS][{WEATHER}": "as text",  # cut by max_tokens
+    "[TOOL_CALLS][]": "as text",
+    '[TOOL_CALLS][{"name": "rm_rf", "arguments": {}}]': "as text",
+    "[1, 2, 3] are numbers": "as text",
+    f"Sure. [TOOL_CALLS][{WEATHER}]": "as text",  # calls only open the reply
+    **{reply: "as text" for reply in PLAIN},
+}
+CASES = [(parser, reply, expected) for parser, table in (("hermes", HERMES), ("llama3_json", LLAMA3), ("mistral", MISTRAL))
+         for reply, expected in table.items()]
 
 
 def functions(calls: list[dict]) -> list[tuple[str, dict]]:

@@ -44,8 +44,8 @@ def serve_command(
     speculative_tokens: SpeculativeTokens = 0,
     tool_call_parser: Annotated[Optional[str], typer.Option(
         "--tool-call-parser", help="read the tool calls a model writes under tool_choice \"auto\" (OpenAI's default "
-        "with tools) in its family's syntax: hermes (Hermes 2 Pro, Qwen 2.5/3, SmolLM2/3) or llama3_json (Llama "
-        "3.1-3.3); default: \"auto\" is refused")] = None,
+        "with tools) in its family's syntax: hermes (Hermes 2 Pro, SmolLM2/3), llama3_json (Llama 3.1-3.3) or "
+        "mistral; default: \"auto\" is refused")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(
         "--served-model-name", help="the name clients ask for (default: the model's; \"default\" is always "
         "accepted)")] = None,

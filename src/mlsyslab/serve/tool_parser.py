@@ -2,12 +2,13 @@
 
 With "auto" the model decides: it sees the tools through its chat template and either answers or writes calls,
 and nothing constrains which. Its reply is parsed afterwards, as vLLM does under `--enable-auto-tool-choice
---tool-call-parser`; `mlsys serve --tool-call-parser NAME` turns it on (without it, "auto" is a 400). Two syntaxes:
+--tool-call-parser`; `mlsys serve --tool-call-parser NAME` turns it on (without it, "auto" is a 400). Three syntaxes:
 - hermes — NousResearch's Hermes 2 Pro format, which Qwen 2.5 / 3 and SmolLM2 / 3 were trained on: each call is
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, and SmolLM2's put a JSON list of such calls in one
   tag. The text before the first tag is the message's content (null when only whitespace).
 - llama3_json — Meta's Llama 3.1 / 3.2 / 3.3 JSON tool calling: the reply is the call itself,
   `{"name": ..., "parameters": {...}}` (several separated by ";"), maybe after `<|python_tag|>`; content null.
+- mistral — Mistral's (7B v0.3, Nemo, Small): the reply is `[TOOL_CALLS]` and a JSON list of calls; content null.
 Either reads "parameters" where "arguments" is missing. A reply that does not hold such calls of the given tools —
 JSON that does not parse, a name not among the tools, a call cut off by max_tokens — comes back as it is, as content:
 nothing the model wrote is dropped or made up.
@@ -102,7 +103,27 @@ class Llama3Json:
         return len(text) if self.TAG.startswith(text.lstrip()) else 0  # nothing yet, or part of the tag
 
 
-PARSERS = {"hermes": Hermes(), "llama3_json": Llama3Json()}
+class Mistral(Llama3Json):
+    """The whole reply is a JSON list of calls after `[TOOL_CALLS]` (a control token: dropped from the text unless
+    skip_special_tokens is false, so the list alone is read too)."""
+
+    TAG = "[TOOL_CALLS]"
+
+    def parse(self, text: str, tools: set[str]) -> tuple[str | None, list[dict]]:
+        body = text.strip().removeprefix(self.TAG).lstrip()
+        try:
+            found = json.loads(body) if body.startswith("[") else None
+        except json.JSONDecodeError:
+            found = None
+        calls = [openai_call(call, tools) for call in found] if isinstance(found, list) else []
+        return (None, calls) if calls and None not in calls else (text, [])
+
+    def call_start(self, text: str, sent: int) -> int | None:
+        body = text.lstrip()
+        return len(text) - len(body) if sent == 0 and body.startswith(("[", self.TAG)) else None
+
+
+PARSERS = {"hermes": Hermes(), "llama3_json": Llama3Json(), "mistral": Mistral()}
 
 
 class ToolCallStream:
