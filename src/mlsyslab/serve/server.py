@@ -204,6 +204,7 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
         except MlsysError as error:
             return error_for(error)
         parser = PARSERS[tool_parser] if tools is not None and tools.auto else None  # "auto": replies read for calls
+        names = set(schemas)
         replies: dict[int, str] = {}  # each choice's text so far, where replies are tool calls
         streams: dict[int, ToolCallStream] = {}  # each choice's reply so far, where the model may write calls
 
@@ -245,7 +246,9 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
         def parsed_deltas(delta, index, call):
             """"auto": content as it comes (held where it may open a call), the calls the model wrote whole at the
             end."""
-            stream = streams.setdefault(index, ToolCallStream(parser, set(schemas)))
+            if index not in streams:
+                streams[index] = ToolCallStream(parser, names)
+            stream = streams[index]
             content, calls = stream.add(delta.text), []
             if delta.finish_reason:
                 rest, calls = stream.finish()
@@ -278,7 +281,7 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
 
         def render_output(output, call):
             if parser is not None:
-                content, calls = parser.parse(output.text, set(schemas))
+                content, calls = parser.parse(output.text, names)
                 return {"message": {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})},
                         "logprobs": logprobs_of(output.logprobs or [], call),
                         "finish_reason": called(output.finish_reason, calls)}

@@ -77,7 +77,7 @@ class Hermes:
 class Llama3Json:
     """The whole reply is the calls: JSON objects separated by ";", maybe after `<|python_tag|>`."""
 
-    TAG = "<|python_tag|>"
+    TAG, OPEN = "<|python_tag|>", "{"
 
     def parse(self, text: str, tools: set[str]) -> tuple[str | None, list[dict]]:
         body = text.strip().removeprefix(self.TAG).lstrip()
@@ -97,7 +97,7 @@ class Llama3Json:
     def call_start(self, text: str, sent: int) -> int | None:
         """A call only opens the reply: its first characters past whitespace, once they show it."""
         body = text.lstrip()
-        return len(text) - len(body) if sent == 0 and body.startswith(("{", self.TAG)) else None
+        return len(text) - len(body) if sent == 0 and body.startswith((self.OPEN, self.TAG)) else None
 
     def held_back(self, text: str) -> int:
         return len(text) if self.TAG.startswith(text.lstrip()) else 0  # nothing yet, or part of the tag
@@ -105,9 +105,9 @@ class Llama3Json:
 
 class Mistral(Llama3Json):
     """The whole reply is a JSON list of calls after `[TOOL_CALLS]` (a control token: dropped from the text unless
-    skip_special_tokens is false, so the list alone is read too)."""
+    skip_special_tokens is false, so the list alone is read too); where a call may start, as llama3_json's."""
 
-    TAG = "[TOOL_CALLS]"
+    TAG, OPEN = "[TOOL_CALLS]", "["
 
     def parse(self, text: str, tools: set[str]) -> tuple[str | None, list[dict]]:
         body = text.strip().removeprefix(self.TAG).lstrip()
@@ -117,10 +117,6 @@ class Mistral(Llama3Json):
             found = None
         calls = [openai_call(call, tools) for call in found] if isinstance(found, list) else []
         return (None, calls) if calls and None not in calls else (text, [])
-
-    def call_start(self, text: str, sent: int) -> int | None:
-        body = text.lstrip()
-        return len(text) - len(body) if sent == 0 and body.startswith(("[", self.TAG)) else None
 
 
 PARSERS = {"hermes": Hermes(), "llama3_json": Llama3Json(), "mistral": Mistral()}
