@@ -47,19 +47,21 @@ def decode_case(dtype, context_lens, block_size=16, num_blocks=32, ahead=0):
     return k_cache, v_cache, slices, ids, positions
 
 
-@pytest.fixture(params=["this CPU's plan", "AVX2 plan", "AVX2 plan, ffn_hidden 140"])
+@pytest.fixture(params=["this CPU's plan", "AVX2 plan", "AVX2 plan, ffn_hidden 140", "AVX2 plan, q/k/v biases"])
 def plan(request, monkeypatch):
     """The kernel plan of this CPU, and the one of CPUs where oneDNN cannot pack bf16 (steps under
     `streamed_below(dtype)` rows take the streamed kernel in both, so the step is one `streamed_decode`: every
     row count for bf16 on the pair kernel, 96 for fp32 on the panel kernel, else 4 rows where oneDNN packs bf16, 16
     where it cannot); with
     ffn_hidden 140 an output group of gate|up holds both gate and up rows (each thread computes the gate and
-    up rows of its own columns)."""
+    up rows of its own columns); with Qwen2's biases on q/k/v (both C++ steps: 16 rows take `decode_layers`)."""
     if request.param.startswith("AVX2 plan"):
         monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: False)
         monkeypatch.setattr(cpu_kernels, "panels", lambda dtype: False)
     if request.param.endswith("ffn_hidden 140"):
         monkeypatch.setitem(globals(), "CONFIG", dataclasses.replace(CONFIG, ffn_hidden=140))
+    if request.param.endswith("biases"):
+        monkeypatch.setitem(globals(), "CONFIG", dataclasses.replace(CONFIG, qkv_bias=True))
     return request.param
 
 

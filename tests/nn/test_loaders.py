@@ -30,9 +30,11 @@ LAYER_PARTS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
 
 def write_llama_gguf(model: Llama, path, rope_freqs: np.ndarray | None = None, end_ids: dict | None = None):
     """A GGUF as llama.cpp's converter writes one: its names, Q/K rows permuted, fp32 tensors (and Llama 3.x's
-    scaled frequencies as `rope_freqs`, or a linear scaling as keys; special token ids as `end_ids` names them)."""
+    scaled frequencies as `rope_freqs`, or a linear scaling as keys; special token ids as `end_ids` names them).
+    A model with q/k/v biases is written as Qwen2's: architecture "qwen2", the biases, no permutation."""
     config = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
+    architecture = "qwen2" if config.qkv_bias else "llama"
+    writer = gguf.GGUFWriter(str(path), architecture)
     if config.rope_scaling is not None and config.rope_scaling.rope_type == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(config.rope_scaling.factor)
@@ -53,11 +55,12 @@ def write_llama_gguf(model: Llama, path, rope_freqs: np.ndarray | None = None, e
     for name, tensor in model.state_dict().items():
         array = tensor.numpy().astype(np.float32)
         if name.startswith("layers."):
-            _, layer, part = name.removesuffix(".weight").split(".", 2)
-            gguf_name = f"blk.{layer}.{LAYER_PARTS[part]}.weight"
-            if part == "self_attn.q_proj":
+            stem, suffix = name.rsplit(".", 1)
+            _, layer, part = stem.split(".", 2)
+            gguf_name = f"blk.{layer}.{LAYER_PARTS[part]}.{suffix}"
+            if architecture == "llama" and part == "self_attn.q_proj":
                 array = permute_qk(array, config.heads)
-            elif part == "self_attn.k_proj":
+            elif architecture == "llama" and part == "self_attn.k_proj":
                 array = permute_qk(array, config.kv_heads)
         else:
             gguf_name = GGUF_NAMES[name.removesuffix(".weight")] + ".weight"
@@ -68,15 +71,26 @@ def write_llama_gguf(model: Llama, path, rope_freqs: np.ndarray | None = None, e
     writer.close()
 
 
-def test_gguf_round_trip_restores_every_weight(tmp_path):
-    model = Llama(CONFIG).initialize(0.5, torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_gguf_round_trip_restores_every_weight(tmp_path, qkv_bias):
+    """Llama, and Qwen2 (its biases; its Q/K rows as they are), back from the GGUF llama.cpp would write: every weight
+    equal; and the logits transformers' own GGUF loader gives on the same file (an independent reading of llama.cpp's
+    layout: which rows it permutes, for which architecture)."""
+    from transformers import AutoModelForCausalLM
+
+    config = replace(CONFIG, qkv_bias=qkv_bias)
+    model = Llama(config).initialize(0.5, torch.Generator().manual_seed(0)).eval()
     write_llama_gguf(model, tmp_path / "tiny.gguf")
     folder = cached_hf_folder(tmp_path / "tiny.gguf", tmp_path / "cache")
     loaded = load_hf_folder(folder)
-    assert loaded.config == replace(CONFIG, rms_norm_eps=float(np.float32(CONFIG.rms_norm_eps)))  # GGUF stores fp32
+    assert loaded.config == replace(config, rms_norm_eps=float(np.float32(CONFIG.rms_norm_eps)))  # GGUF stores fp32
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
     assert cached_hf_folder(tmp_path / "tiny.gguf", tmp_path / "cache") == folder  # converted once
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    ids = torch.randint(CONFIG.vocab, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), theirs(ids).logits, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("scaling", [RopeScaling("llama3", 8.0), RopeScaling("linear", 4.0)])

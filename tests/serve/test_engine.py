@@ -232,3 +232,31 @@ def test_a_llama3_style_folder_chats_as_transformers_generates(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     expected = model.generate(**prompt, max_new_tokens=16, do_sample=False)[0, len(ours.prompt_ids):].tolist()
     assert ours.output_ids == expected
+
+
+def test_a_qwen2_folder_serves_transformers_greedy_tokens(tmp_path):
+    """A Qwen2 checkpoint (biases on Q, K and V, θ 1e6, tied embeddings) written as transformers writes one, random
+    weights: prompts of several lengths in one batch — prefill in chunks beside decodes, then the fused decode step —
+    give transformers' greedy tokens."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from mlsyslab.nn.hf_loader import load_hf_folder
+
+    torch.manual_seed(4)
+    theirs = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rope_theta=1000000.0, tie_word_embeddings=True)).eval()
+    with torch.no_grad():
+        for name, parameter in theirs.named_parameters():
+            if not name.endswith("norm.weight"):
+                parameter.normal_(0, 0.3)
+    theirs.save_pretrained(tmp_path)
+    prompts = [[(37 * i + 11 * j) % 512 for j in range(3 + 13 * i)] for i in range(5)]
+    llm = LLM(load_hf_folder(tmp_path), config=EngineConfig(kv_cache_bytes=4_000_000, max_batched_tokens=16))
+    assert llm.engine.source_model.config.qkv_bias and llm.engine.fused_decode is not None
+    ours = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    for prompt, output in zip(prompts, ours):
+        expected = theirs.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                   max_new_tokens=24, min_new_tokens=24, do_sample=False)[0, len(prompt):]
+        assert output.output_ids == expected.tolist()
+    llm.engine.check()

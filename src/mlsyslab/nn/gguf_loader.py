@@ -7,6 +7,9 @@ write an ordinary HF folder: config.json, model.safetensors (HF tensor names) an
 files. `nn.hf_loader` then loads it like any HF checkpoint, and so can transformers or vLLM.
 Scaled rotary frequencies become config.json's `rope_scaling`: "linear" from the `llama.rope.scaling.*` keys, and
 Llama 3.x's "llama3" from the `rope_freqs` tensor llama.cpp writes for it (`llama3_scaling`).
+Two architectures (`general.architecture`): "llama" and "qwen2" (Qwen2 / Qwen2.5: the same tensors plus the
+`attn_q/k/v.bias` vectors, its keys under `qwen2.*`, and no Q/K permutation: llama.cpp rotates Qwen2's pairs in
+HF's own "rotate half" layout, its NEOX rope type, so the converter leaves the rows as they are).
 
 The Q/K permutation: llama.cpp's converter reorders each head's rows of W_q and W_k from HF's
 "rotate half" layout (channel i pairs with i + d/2) to interleaved pairs (2i, 2i+1):
@@ -37,6 +40,11 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# general.architecture -> the config.json fields that name the HF model it converts to
+ARCHITECTURES = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False},
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False},
+}
 
 
 def cached_hf_folder(gguf_path: str | Path, cache_dir: str | Path) -> Path:
@@ -62,7 +70,7 @@ def cached_hf_folder(gguf_path: str | Path, cache_dir: str | Path) -> Path:
 
 
 def convert_gguf(gguf_path: str | Path, folder: str | Path) -> None:
-    """Write config.json, model.safetensors and the tokenizer of a llama-architecture GGUF into `folder`."""
+    """Write config.json, model.safetensors and the tokenizer of a llama or qwen2 GGUF into `folder`."""
     import gguf
     import torch
     from safetensors.torch import save_file
@@ -71,9 +79,9 @@ def convert_gguf(gguf_path: str | Path, folder: str | Path) -> None:
     metadata = {name: field.contents() for name, field in reader.fields.items()
                 if not name.startswith("tokenizer.ggml.") or name.endswith("_id")}
     architecture = metadata.get("general.architecture")
-    if architecture != "llama":
-        raise InvalidValue("general.architecture", architecture, "llama", f"in {gguf_path}")
-    config = hf_config_from_gguf(metadata)
+    if architecture not in ARCHITECTURES:
+        raise InvalidValue("general.architecture", architecture, " or ".join(ARCHITECTURES), f"in {gguf_path}")
+    config = hf_config_from_gguf(metadata, architecture)
     tensors = {}
     for tensor in reader.tensors:
         weights = gguf.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
@@ -81,9 +89,9 @@ def convert_gguf(gguf_path: str | Path, folder: str | Path) -> None:
         if tensor.name == "rope_freqs.weight":
             config["rope_scaling"] = llama3_scaling(weights, config)
             continue
-        if ".attn_q." in tensor.name:
+        if architecture == "llama" and ".attn_q." in tensor.name:
             weights = unpermute_qk(weights, config["num_attention_heads"])
-        elif ".attn_k." in tensor.name:
+        elif architecture == "llama" and ".attn_k." in tensor.name:
             weights = unpermute_qk(weights, config["num_key_value_heads"])
         tensors[hf_tensor_name(tensor.name)] = torch.from_numpy(np.require(weights, requirements=["C", "W"]))
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
@@ -95,30 +103,31 @@ def convert_gguf(gguf_path: str | Path, folder: str | Path) -> None:
         save_tokenizer(Path(gguf_path), folder)
 
 
-def hf_config_from_gguf(metadata: dict) -> dict:
-    """HF LlamaConfig fields from GGUF `llama.*` keys."""
+def hf_config_from_gguf(metadata: dict, architecture: str = "llama") -> dict:
+    """HF LlamaConfig (or Qwen2Config) fields from GGUF `llama.*` (`qwen2.*`) keys."""
     def key(name, default=None):
-        value = metadata.get(f"llama.{name}", default)
+        value = metadata.get(f"{architecture}.{name}", default)
         if value is None:
-            raise InvalidValue(f"llama.{name}", None, "present in the GGUF metadata")
+            raise InvalidValue(f"{architecture}.{name}", None, "present in the GGUF metadata")
         return value
 
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     head_dim = int(key("rope.dimension_count", hidden // heads))
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        **ARCHITECTURES[architecture],
         "vocab_size": int(key("vocab_size", None) or len(metadata.get("tokenizer.ggml.tokens", []))),
         "hidden_size": hidden, "num_hidden_layers": int(key("block_count")), "num_attention_heads": heads,
         "num_key_value_heads": int(key("attention.head_count_kv", heads)), "head_dim": head_dim,
         "intermediate_size": int(key("feed_forward_length")), "rope_theta": float(key("rope.freq_base", 10000.0)),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)), "hidden_act": "silu",
-        "max_position_embeddings": int(key("context_length", 2048)), "attention_bias": False, "mlp_bias": False,
+        "max_position_embeddings": int(key("context_length", 2048)),
     }
-    scaling = metadata.get("llama.rope.scaling.type", "none")
+    scaling = metadata.get(f"{architecture}.rope.scaling.type", "none")
     if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
     elif scaling != "none":
-        raise InvalidValue("llama.rope.scaling.type", scaling, "none or linear (llama3's comes as a rope_freqs tensor)")
+        raise InvalidValue(f"{architecture}.rope.scaling.type", scaling,
+                           "none or linear (llama3's comes as a rope_freqs tensor)")
     for token in ("bos", "padding"):
         if f"tokenizer.ggml.{token}_token_id" in metadata:
             config[f"{'pad' if token == 'padding' else token}_token_id"] = int(metadata[f"tokenizer.ggml.{token}_token_id"])

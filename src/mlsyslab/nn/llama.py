@@ -2,7 +2,8 @@
 
 Architecture (Touvron et al. 2023, "LLaMA"; GQA from Ainslie et al. 2023): token embedding, then
 `layers` pre-norm blocks of grouped-query attention with rotary position embeddings (Su et al.
-2021, base `rope_theta`, frequencies scaled as `rope_scaling` asks: `nn.rope`) and a SwiGLU MLP (Shazeer 2020) — or, with `experts` > 0, a mixture of
+2021, base `rope_theta`, frequencies scaled as `rope_scaling` asks: `nn.rope`; biases on the Q, K and V
+projections with `qkv_bias`, as Qwen2 has them: Bai et al. 2023, "Qwen Technical Report") and a SwiGLU MLP (Shazeer 2020) — or, with `experts` > 0, a mixture of
 SwiGLU experts from layer `dense_layers` on (`nn.moe`, as Mixtral / DeepSeek-MoE) — RMSNorm (Zhang &
 Sennrich 2019) before each and at the end, and an output head that may share the embedding matrix.
 Parameter names equal Hugging Face's `LlamaForCausalLM` with the `model.` prefix dropped, so an HF
@@ -50,6 +51,7 @@ class LlamaConfig:
     ffn_hidden: int
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None  # None: the frequencies as θ gives them
+    qkv_bias: bool = False  # biases on the Q, K and V projections (Qwen2), none on the others
     rms_norm_eps: float = 1e-5
     tied_embeddings: bool = True
     max_seq: int = 2048
@@ -85,14 +87,14 @@ class LlamaConfig:
         """From a catalog `specs.schema.Model`; the catalog does not record theta or eps, so pass them."""
         unsupported = {
             "norm": spec.norm != "rmsnorm", "gated_mlp": not spec.gated_mlp, "linear_bias": spec.linear_bias,
-            "qkv_bias": spec.qkv_bias, "qk_norm": spec.qk_norm, "learned_positions": spec.learned_positions,
+            "qk_norm": spec.qk_norm, "learned_positions": spec.learned_positions,
             "mla": spec.mla is not None,
             "moe": spec.moe is not None and (spec.moe.shared_experts > 0 or spec.moe.router_bias),
         }
         for field, present in unsupported.items():
             if present:
-                raise InvalidValue(field, getattr(spec, field), "the Llama architecture (rmsnorm, gated MLP, no biases, "
-                                   "no qk-norm, rotary positions, no latent attention; experts without shared "
+                raise InvalidValue(field, getattr(spec, field), "the Llama architecture (rmsnorm, gated MLP, no biases "
+                                   "but on Q/K/V, no qk-norm, rotary positions, no latent attention; experts without shared "
                                    "experts or router bias)", f"model {spec.name}")
         moe = {} if spec.moe is None else dict(
             experts=spec.moe.experts, experts_per_token=spec.moe.experts_per_token,
@@ -100,7 +102,7 @@ class LlamaConfig:
         return cls(vocab=spec.vocab, hidden=spec.hidden, layers=spec.layers, heads=spec.heads,
                    kv_heads=spec.num_kv_heads, head_dim=spec.attention_head_dim, ffn_hidden=spec.ffn_hidden,
                    rope_theta=rope_theta, rms_norm_eps=rms_norm_eps, tied_embeddings=spec.tied_embeddings,
-                   max_seq=spec.max_seq, **moe)
+                   max_seq=spec.max_seq, qkv_bias=spec.qkv_bias, **moe)
 
     def to_spec(self, name: str, parameters: int, source: str):
         """This architecture as a catalog `specs.schema.Model`, for predict's twins of what nn/ runs."""
@@ -109,7 +111,8 @@ class LlamaConfig:
         moe = None if not self.experts else MixtureOfExperts(
             experts=self.experts, experts_per_token=self.experts_per_token, expert_ffn_hidden=self.expert_hidden,
             dense_layers=self.dense_layers)
-        return Model(name=name, source=source, family="llama", hidden=self.hidden, layers=self.layers,
+        return Model(name=name, source=source, family="qwen2" if self.qkv_bias else "llama", hidden=self.hidden,
+                     layers=self.layers, qkv_bias=self.qkv_bias,
                      heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim, ffn_hidden=self.ffn_hidden,
                      vocab=self.vocab, tied_embeddings=self.tied_embeddings, max_seq=self.max_seq,
                      published_params=parameters, moe=moe)
@@ -120,16 +123,18 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf) -> LlamaConfig:
-        """From a transformers `LlamaConfig` (or its config.json as a dict). Mistral's is the same architecture with a
-        sliding window (each token attends to the last `sliding_window` positions, itself included): with contexts
-        no longer than the window that is plain causal attention, so a window under the model's context caps max_seq
-        at it (Mistral 7B v0.1: 4,096 of 32,768), and none (v0.2 on) changes nothing."""
+        """From a transformers `LlamaConfig` (or its config.json as a dict), or a `MistralConfig` or `Qwen2Config`.
+        Mistral's is the same architecture with a sliding window (each token attends to the last `sliding_window`
+        positions, itself included): with contexts no longer than the window that is plain causal attention, so a
+        window under the model's context caps max_seq at it (Mistral 7B v0.1: 4,096 of 32,768), and none (v0.2 on)
+        changes nothing. Qwen2's adds biases to Q, K and V; its window, where `use_sliding_window` turns it on
+        (for the layers from `max_window_layers`: off in every Qwen2 and Qwen2.5 release), caps max_seq likewise."""
         get = hf.get if isinstance(hf, dict) else (lambda key, default=None: getattr(hf, key, default))
         model_type = get("model_type")
-        if model_type not in (None, "llama", "mistral"):
-            raise InvalidValue("model_type", model_type, "llama or mistral")
+        if model_type not in (None, "llama", "mistral", "qwen2"):
+            raise InvalidValue("model_type", model_type, "llama, mistral or qwen2")
         max_seq = get("max_position_embeddings", 2048)
-        window = get("sliding_window") if model_type == "mistral" else None
+        window = get("sliding_window") if model_type == "mistral" or get("use_sliding_window") else None
         rope = get("rope_parameters") or get("rope_scaling") or {}
         for flag in ("attention_bias", "mlp_bias"):
             if get(flag):
@@ -145,19 +150,22 @@ class LlamaConfig:
                    rope_scaling=RopeScaling.from_hf(rope),
                    rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
                    tied_embeddings=bool(get("tie_word_embeddings", False)),
-                   max_seq=max_seq if window is None else min(max_seq, window))
+                   max_seq=max_seq if window is None else min(max_seq, window), qkv_bias=model_type == "qwen2")
 
     def to_hf(self) -> dict:
-        """The config.json Hugging Face's LlamaForCausalLM reads for this shape."""
+        """The config.json Hugging Face's LlamaForCausalLM reads for this shape (Qwen2ForCausalLM's with `qkv_bias`:
+        Llama's `attention_bias` would put a bias on the output projection too)."""
         if self.experts:
             raise InvalidValue("experts", self.experts, "0: HF's LlamaForCausalLM is dense")
+        family = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False} \
+            if self.qkv_bias else {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+                                   "mlp_bias": False}
         return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": self.vocab,
+            **family, "vocab_size": self.vocab,
             "hidden_size": self.hidden, "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
             "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim, "intermediate_size": self.ffn_hidden,
             "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps, "hidden_act": "silu",
             "tie_word_embeddings": self.tied_embeddings, "max_position_embeddings": self.max_seq,
-            "attention_bias": False, "mlp_bias": False,
             **({} if self.rope_scaling is None else {"rope_scaling": self.rope_scaling.to_hf()}),
         }
 
@@ -258,9 +266,9 @@ class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = config.heads, config.kv_heads, config.head_dim
-        self.q_proj = nn.Linear(config.hidden, config.heads * config.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden, config.kv_heads * config.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden, config.kv_heads * config.head_dim, bias=False)
+        self.q_proj = nn.Linear(config.hidden, config.heads * config.head_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden, config.kv_heads * config.head_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden, config.kv_heads * config.head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.heads * config.head_dim, config.hidden, bias=False)
         self.fused_qkv = None  # the serving copy's one matrix for q, k and v (nn.packed_linear)
         self.rope = apply_rope  # the serving copy's is one in-place pass (nn.cpu_kernels.rope)

@@ -241,11 +241,20 @@ def shallow_copy(module: nn.Module) -> nn.Module:
 
 
 class FusedPackedLinear(PackedLinear):
-    """Several linears on the same input as one prepacked matrix; returns their outputs in order."""
+    """Several linears on the same input as one prepacked matrix; returns their outputs in order. Their biases
+    (all or none: Qwen2's q/k/v) are added after the product, as one add over the fused row (`bias`), which the C++
+    decode steps repeat in the same dtype (nn/csrc/decode_layers.cpp, streamed_decode.cpp)."""
 
     def __init__(self, linears: list[nn.Linear], batch_hint: int = BATCH_HINT, min_rows: int = 1):
         super().__init__(torch.cat([linear.weight.detach() for linear in linears]), batch_hint, min_rows)
         self.sizes = [linear.out_features for linear in linears]
+        biased = [linear.bias is not None for linear in linears]
+        if any(biased) and not all(biased):
+            raise ValueError("fused linears have biases all or none")
+        self.register_buffer("bias", torch.cat([linear.bias.detach() for linear in linears]) if all(biased) else None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return super().forward(x).split(self.sizes, dim=-1)
+        out = super().forward(x)
+        if self.bias is not None:
+            out += self.bias
+        return out.split(self.sizes, dim=-1)

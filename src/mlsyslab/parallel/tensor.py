@@ -339,6 +339,8 @@ def parallelize_llama(model, tp: TensorGroup, sequence_parallel: bool = False):
     """Split an nn.llama.Llama in place across the tensor-parallel group (every rank starts from the
     same full weights) and return it; `model(ids)` then yields this rank's vocabulary slice of logits."""
     config, t = model.config, tp.size
+    if config.qkv_bias:
+        raise InvalidValue("qkv_bias", True, "False: tensor parallelism splits weights, not yet Qwen2's Q/K/V biases")
     for field, value in (("heads", config.heads), ("kv_heads", config.kv_heads), ("ffn_hidden", config.ffn_hidden),
                          ("expert_ffn_hidden", config.expert_ffn_hidden or config.ffn_hidden), ("vocab", config.vocab)):
         if value % t:

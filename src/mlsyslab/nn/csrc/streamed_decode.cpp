@@ -9,7 +9,8 @@
 // walks the layers together, one barrier per node):
 //   x = rms_norm(h)               every thread, all rows, into its own buffer (a few µs: no barrier)
 //   qkv = x·Wqkvᵀ                 output groups shared out                              | barrier
-//   rope(q, k), k, v -> cache,    the two units of each (sequence, KV head) item shared out
+//   (+ bias), rope(q, k),         the two units of each (sequence, KV head) item shared out
+//   k, v -> cache
 //   attention                     (paged_decode.cpp): the unit that reads the new token ropes and writes
 //                                 its K/V head first; each unit ropes its own copy of the queries | barrier
 //   merge the units' softmaxes    every item, by every thread into its own copy (no barrier)
@@ -76,6 +77,7 @@ struct Step {
   const int64_t* positions;  // [tokens] of the step being run ([steps, tokens] in `run`'s template)
   const T* const* norms;  // 2 per layer
   const T* const* tiles;  // 4 per layer (q|k|v, o, gate|up, down), then the lm_head's
+  const T* const* qkv_bias;  // one q|k|v row per layer (Qwen2), added as the heads are read; nullptr: none
   const int64_t* chunks;  // of each matrix's tiles
   const T* final_norm;
   T* k_cache;  // [layers, kv_heads, slots_per_head, head_dim]
@@ -163,17 +165,29 @@ const T* rope_row(const Step<T>& s, const T* table, int64_t token) {
   return table + s.positions[token] * s.head_dim;
 }
 
+// `to` = `from` + the layer's q|k|v bias at `offset` in the row (or a copy where the model has none), rounded to T as
+// torch's `out += bias` rounds (nn.packed_linear.FusedPackedLinear).
+template <typename T>
+void add_qkv_bias(const Step<T>& s, int64_t layer, int64_t offset, const T* from, T* to) {
+  if (s.qkv_bias == nullptr) {
+    if (to != from) std::memcpy(to, from, s.head_dim * sizeof(T));
+    return;
+  }
+  const T* bias = s.qkv_bias[layer] + offset;
+  for (int64_t i = 0; i < s.head_dim; ++i) to[i] = narrow<T>(widen(from[i]) + widen(bias[i]));
+}
+
 // The item's query heads roped and widened for the attention kernel, at `query`'s offset `part_offset` (each of
 // an item's two units reads its own copy, written by the thread that runs it). Roped from a copy: the qkv row
 // stays as the product left it while the other unit's thread may read it.
 template <typename T>
-void roped_queries(const Step<T>& s, int64_t item, int64_t part_offset, float* rotated) {
+void roped_queries(const Step<T>& s, int64_t layer, int64_t item, int64_t part_offset, float* rotated) {
   const int64_t token = item / s.kv_heads, kv_head = item % s.kv_heads, group = s.heads / s.kv_heads;
   const int64_t d = s.head_dim;
   const T* row = s.qkv + token * (s.heads + 2 * s.kv_heads) * d;
   T q[128];  // head_dim <= 128 (check_paged_cache)
   for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-    std::memcpy(q, row + head * d, d * sizeof(T));
+    add_qkv_bias(s, layer, head * d, row + head * d, q);
     rope_head(q, rope_row(s, s.cos, token), rope_row(s, s.sin, token), d, rotated);
     float* query = s.query + part_offset + (token * s.heads + head) * d;
     for (int64_t i = 0; i < d; ++i) query[i] = widen(q[i]);
@@ -186,12 +200,13 @@ template <typename T>
 void rope_and_cache(const Step<T>& s, int64_t layer, int64_t item, float* rotated) {
   const int64_t token = item / s.kv_heads, kv_head = item % s.kv_heads, d = s.head_dim;
   T* row = s.qkv + token * (s.heads + 2 * s.kv_heads) * d;
-  T* k = row + (s.heads + kv_head) * d;
-  const T* v = row + (s.heads + s.kv_heads + kv_head) * d;
+  const int64_t k_offset = (s.heads + kv_head) * d, v_offset = (s.heads + s.kv_heads + kv_head) * d;
+  T* k = row + k_offset;
+  add_qkv_bias(s, layer, k_offset, k, k);
   rope_head(k, rope_row(s, s.cos, token), rope_row(s, s.sin, token), d, rotated);
   const int64_t slot = ((layer * s.kv_heads + kv_head) * s.slots_per_head + s.slots[token]) * d;
   std::memcpy(s.k_cache + slot, k, d * sizeof(T));
-  std::memcpy(s.v_cache + slot, v, d * sizeof(T));
+  add_qkv_bias(s, layer, v_offset, row + v_offset, s.v_cache + slot);
 }
 
 template <typename T>
@@ -219,7 +234,7 @@ void layer(const Step<T>& s, int64_t l, Scratch<T>& own, int t, int threads) {
   }
   for (int64_t unit = units.begin; unit < units.end; ++unit) {
     if (unit % 2 && !s.writes_first) rope_and_cache(s, l, unit / 2, own.rotated.data());
-    roped_queries(s, unit / 2, unit % 2 ? attention.part_query_offset : 0, own.rotated.data());
+    roped_queries(s, l, unit / 2, unit % 2 ? attention.part_query_offset : 0, own.rotated.data());
   }
   paged_decode_units(attention, units.begin, units.end);
 #pragma omp barrier
@@ -313,7 +328,8 @@ namespace mlsyslab {
 // logits row, in order, and each row's token is its next step's input (multi-step decoding, as vLLM's
 // `--num-scheduler-steps`: the caller reserved the slots of every step).
 // embedding [vocab, hidden]; cos, sin: the rope rows of every position [positions, head_dim]; norms: 2 per
-// layer; tiles: 4 per layer (qkv, o, gate|up, down), from stream_pack; caches
+// layer; tiles: 4 per layer (qkv, o, gate|up, down), from stream_pack; qkv_biases: none, or one [q|k|v] per layer;
+// caches
 // [layers, kv_heads, num_blocks, block_size, head_dim]; tables [tokens, blocks] cover the last step; one new token per
 // sequence a step, unless `writes_first`: then rows may be consecutive positions of one sequence (a speculative
 // draft verified in one step), each reading the K/V the earlier ones write, so every row's K/V is written before
@@ -321,7 +337,8 @@ namespace mlsyslab {
 std::tuple<at::Tensor, at::Tensor> streamed_decode(
                            const at::Tensor& embedding, const at::Tensor& input_ids, const at::Tensor& positions,
                            const at::Tensor& cos, const at::Tensor& sin,
-                           at::TensorList norms, at::TensorList tiles, const at::Tensor& final_norm,
+                           at::TensorList norms, at::TensorList tiles, at::TensorList qkv_biases,
+                           const at::Tensor& final_norm,
                            const at::Tensor& head_tiles, int64_t vocab, at::Tensor k_cache, at::Tensor v_cache,
                            const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lengths,
                            const at::Tensor& logit_rows, const at::Tensor& temperature, const at::Tensor& uniform,
@@ -377,6 +394,12 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
     check_tiles(tiles[i], shapes[i % 4][0], shapes[i % 4][1], "tiles");
     TORCH_CHECK(tiles[i].scalar_type() == dtype, "tiles: in the embedding's dtype");
   }
+  TORCH_CHECK(qkv_biases.empty() || int64_t(qkv_biases.size()) == layers, "qkv_biases: none, or one per layer for ",
+              layers, " layers");
+  for (const at::Tensor& bias : qkv_biases) {
+    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == shapes[0][0] && bias.is_contiguous() && bias.scalar_type() == dtype,
+                "qkv_biases: contiguous [", shapes[0][0], "] (q|k|v) in the embedding's dtype");
+  }
   check_tiles(head_tiles, vocab, hidden, "head_tiles");
   TORCH_CHECK(head_tiles.scalar_type() == dtype, "head_tiles: in the embedding's dtype");
   TORCH_CHECK(logit_rows.dim() == 1 && logit_rows.scalar_type() == at::kLong && logit_rows.is_contiguous(),
@@ -417,9 +440,10 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
   at::Tensor picked = at::empty({steps, rows}, logit_rows.options());
   const auto fill = [&](auto tag) {
     using T = decltype(tag);
-    std::vector<const T*> norm_weights, tile_weights;
+    std::vector<const T*> norm_weights, tile_weights, biases;
     std::vector<int64_t> chunks;
     for (const at::Tensor& norm : norms) norm_weights.push_back(norm.data_ptr<T>());
+    for (const at::Tensor& bias : qkv_biases) biases.push_back(bias.data_ptr<T>());
     for (int64_t i = 0; i <= 4 * layers; ++i) {
       const at::Tensor& tile = i < 4 * layers ? tiles[i] : head_tiles;
       tile_weights.push_back(tile.data_ptr<T>());
@@ -427,7 +451,8 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
     }
     const Step<T> s{steps, layers, tokens, hidden, heads, kv_heads, head_dim, ffn, vocab, k_cache.size(2) * k_cache.size(3),
               float(eps), embedding.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), positions.data_ptr<int64_t>(),
-              norm_weights.data(), tile_weights.data(), chunks.data(), final_norm.data_ptr<T>(),
+              norm_weights.data(), tile_weights.data(), biases.empty() ? nullptr : biases.data(), chunks.data(),
+              final_norm.data_ptr<T>(),
               k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), slots.data_ptr<int64_t>(),
               logit_rows.data_ptr<int64_t>(), logit_rows.size(0),
               PagedDecode<T>{query.data_ptr<float>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
@@ -448,7 +473,7 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
 
 TORCH_LIBRARY_FRAGMENT(mlsyslab, m) {
   m.def("streamed_decode(Tensor embedding, Tensor input_ids, Tensor positions, Tensor cos, Tensor sin, Tensor[] norms, "
-        "Tensor[] tiles, Tensor final_norm, Tensor head_tiles, int vocab, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor[] tiles, Tensor[] qkv_biases, Tensor final_norm, Tensor head_tiles, int vocab, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slots, Tensor tables, Tensor lengths, Tensor logit_rows, Tensor temperature, Tensor uniform, int heads, "
         "int ffn, float eps, bool writes_first=False) -> "
         "(Tensor, Tensor)", &mlsyslab::streamed_decode);
