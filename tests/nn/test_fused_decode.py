@@ -27,7 +27,13 @@ def serving_model(dtype) -> Llama:
 
 
 def plain_model(dtype) -> Llama:
-    return Llama(CONFIG).initialize(0.1, torch.Generator().manual_seed(0)).to(dtype).eval()
+    """Random weights, the norms' too (each norm's weights its own: a norm applied with another's shows)."""
+    model = Llama(CONFIG).initialize(0.1, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.copy_(1 + 0.2 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(len(name))))
+    return model.to(dtype).eval()
 
 
 def decode_case(dtype, context_lens, block_size=16, num_blocks=32, ahead=0):
@@ -47,14 +53,16 @@ def decode_case(dtype, context_lens, block_size=16, num_blocks=32, ahead=0):
     return k_cache, v_cache, slices, ids, positions
 
 
-@pytest.fixture(params=["this CPU's plan", "AVX2 plan", "AVX2 plan, ffn_hidden 140", "AVX2 plan, q/k/v biases"])
+@pytest.fixture(params=["this CPU's plan", "AVX2 plan", "AVX2 plan, ffn_hidden 140", "AVX2 plan, q/k/v biases",
+                        "this CPU's plan, q and k head norms"])
 def plan(request, monkeypatch):
     """The kernel plan of this CPU, and the one of CPUs where oneDNN cannot pack bf16 (steps under
     `streamed_below(dtype)` rows take the streamed kernel in both, so the step is one `streamed_decode`: every
     row count for bf16 on the pair kernel, 96 for fp32 on the panel kernel, else 4 rows where oneDNN packs bf16, 16
     where it cannot); with
     ffn_hidden 140 an output group of gate|up holds both gate and up rows (each thread computes the gate and
-    up rows of its own columns); with Qwen2's biases on q/k/v (both C++ steps: 16 rows take `decode_layers`)."""
+    up rows of its own columns); with Qwen2's biases on q/k/v (both C++ steps: 16 rows take `decode_layers`); with
+    Qwen3's q and k head norms."""
     if request.param.startswith("AVX2 plan"):
         monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: False)
         monkeypatch.setattr(cpu_kernels, "panels", lambda dtype: False)
@@ -62,6 +70,8 @@ def plan(request, monkeypatch):
         monkeypatch.setitem(globals(), "CONFIG", dataclasses.replace(CONFIG, ffn_hidden=140))
     if request.param.endswith("biases"):
         monkeypatch.setitem(globals(), "CONFIG", dataclasses.replace(CONFIG, qkv_bias=True))
+    if request.param.endswith("head norms"):
+        monkeypatch.setitem(globals(), "CONFIG", dataclasses.replace(CONFIG, qk_norm=True))
     return request.param
 
 

@@ -28,7 +28,8 @@ def tiny(dtype=torch.float32, seed=0, **changes) -> Llama:
     {"rope_scaling": RopeScaling("linear", 4.0)},
     # wavelengths 6.3, 35, 199, 1117 against 64 / 4 and 64 / 1: one kept, one interpolated, two slowed by 8
     {"rope_scaling": RopeScaling("llama3", 8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq=64)},
-    {"qkv_bias": True}, {"qkv_bias": True, "tied_embeddings": False}])  # biases on q/k/v: written as a Qwen2 folder
+    # biases on q/k/v: written as a Qwen2 folder; head norms (and a head size of their own): as a Qwen3 folder
+    {"qkv_bias": True}, {"qkv_bias": True, "tied_embeddings": False}, {"qk_norm": True, "head_dim": 16}])
 def test_logits_equal_hf_llama_on_the_same_weights(tmp_path, changes):
     from transformers import AutoModelForCausalLM
 
@@ -36,7 +37,8 @@ def test_logits_equal_hf_llama_on_the_same_weights(tmp_path, changes):
     ours = tiny(**changes)
     save_hf_folder(ours, tmp_path)
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    assert type(theirs).__name__ == ("Qwen2ForCausalLM" if ours.config.qkv_bias else "LlamaForCausalLM")
+    assert type(theirs).__name__ == ("Qwen3ForCausalLM" if ours.config.qk_norm else
+                                     "Qwen2ForCausalLM" if ours.config.qkv_bias else "LlamaForCausalLM")
     assert theirs.config.tie_word_embeddings == ours.config.tied_embeddings
     assert LlamaConfig.from_hf(theirs.config) == ours.config  # the rope scaling too, as transformers read it
     ids = torch.randint(ours.config.vocab, (3, 40))
@@ -78,24 +80,26 @@ def test_a_mistral_checkpoint_loads_and_equals_hf_mistral(tmp_path, window):
 
 
 @pytest.mark.parametrize("window", [None, 16])
-def test_a_qwen2_checkpoint_loads_and_equals_hf_qwen2(tmp_path, window):
-    """Qwen2 is Llama with biases on Q, K and V (random here: transformers initialises them to zero). Its sliding
-    window, where `use_sliding_window` turns it on, caps the context at it, as Mistral's does."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_a_qwen_checkpoint_loads_and_equals_transformers(tmp_path, family, window):
+    """Qwen2 is Llama with biases on Q, K and V (random here: transformers initialises them to zero); Qwen3 with an
+    RMSNorm over each query and key head instead, and a head size of its own (16 here, against hidden / heads = 8).
+    Their sliding window, where `use_sliding_window` turns it on, caps the context at it, as Mistral's does."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(3)
-    theirs = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        use_sliding_window=window is not None, sliding_window=window, max_window_layers=0,
-        tie_word_embeddings=True)).eval()
+    theirs = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        family, vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16 if family == "qwen3" else 8, max_position_embeddings=64,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, use_sliding_window=window is not None, sliding_window=window,
+        max_window_layers=0, tie_word_embeddings=True)).eval()
     with torch.no_grad():
         for name, parameter in theirs.named_parameters():
-            if not name.endswith("norm.weight"):
-                parameter.normal_(0, 0.5)
+            parameter.normal_(1, 0.3) if name.endswith("norm.weight") else parameter.normal_(0, 0.5)
     theirs.save_pretrained(tmp_path)
     ours = load_hf_folder(tmp_path)
-    assert ours.config.qkv_bias and ours.config.tied_embeddings and ours.config.max_seq == (window or 64)
+    assert (ours.config.qkv_bias, ours.config.qk_norm) == (family == "qwen2", family == "qwen3")
+    assert ours.config.tied_embeddings and ours.config.max_seq == (window or 64)
     ids = torch.randint(96, (2, ours.config.max_seq))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), theirs(ids).logits, atol=2e-5, rtol=1e-5)
@@ -160,9 +164,15 @@ def test_config_rejects_what_is_not_llama():
         LlamaConfig.from_hf({**LlamaConfig(**TINY).to_hf(), "attention_bias": True})
     qwen = LlamaConfig.from_spec(catalog.model("Qwen2.5-0.5B"), rope_theta=1000000.0)  # biases on q/k/v: built
     assert qwen.qkv_bias and qwen.to_spec("Qwen2.5-0.5B", 494_000_000, "test").qkv_bias
+    small = dataclasses.replace(qwen, layers=1, vocab=64, hidden=64, ffn_hidden=64)
     with pytest.raises(InvalidValue, match="qkv_bias"):  # tensor parallelism does not split the biases yet
-        parallelize_llama(Llama(dataclasses.replace(qwen, layers=1, vocab=64, hidden=64, ffn_hidden=64)),
-                          types.SimpleNamespace(size=2))
+        parallelize_llama(Llama(small), types.SimpleNamespace(size=2))
+    qwen3 = LlamaConfig.from_spec(catalog.model("Qwen3-8B"), rope_theta=1000000.0)  # head norms: built
+    assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.to_spec("Qwen3-8B", 8_190_000_000, "test").qk_norm
+    with pytest.raises(InvalidValue, match="qk_norm"):  # nor sum the head norms' gradients
+        parallelize_llama(Llama(dataclasses.replace(small, qkv_bias=False, qk_norm=True)), types.SimpleNamespace(size=2))
+    with pytest.raises(InvalidValue, match="qk_norm"):  # no Hugging Face family has both
+        dataclasses.replace(small, qk_norm=True).to_hf()
     with pytest.raises(InvalidValue, match="high_freq_factor"):
         RopeScaling("llama3", 8.0, low_freq_factor=4.0, high_freq_factor=1.0)
     with pytest.raises(InvalidValue, match="rope_scaling.original_max_position_embeddings"):

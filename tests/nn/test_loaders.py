@@ -25,15 +25,17 @@ CONFIG = LlamaConfig(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, head_di
 GGUF_NAMES = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}
 LAYER_PARTS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
                "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 def write_llama_gguf(model: Llama, path, rope_freqs: np.ndarray | None = None, end_ids: dict | None = None):
     """A GGUF as llama.cpp's converter writes one: its names, Q/K rows permuted, fp32 tensors (and Llama 3.x's
     scaled frequencies as `rope_freqs`, or a linear scaling as keys; special token ids as `end_ids` names them).
-    A model with q/k/v biases is written as Qwen2's: architecture "qwen2", the biases, no permutation."""
+    A model with q/k/v biases is written as Qwen2's: architecture "qwen2", the biases, no permutation; one with head
+    norms as Qwen3's (and its head size as `attention.key_length`)."""
     config = model.config
-    architecture = "qwen2" if config.qkv_bias else "llama"
+    architecture = "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else "llama"
     writer = gguf.GGUFWriter(str(path), architecture)
     if config.rope_scaling is not None and config.rope_scaling.rope_type == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -49,6 +51,9 @@ def write_llama_gguf(model: Llama, path, rope_freqs: np.ndarray | None = None, e
     writer.add_head_count(config.heads)
     writer.add_head_count_kv(config.kv_heads)
     writer.add_rope_dimension_count(config.head_dim)
+    if architecture != "llama":
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab)
@@ -71,15 +76,21 @@ def write_llama_gguf(model: Llama, path, rope_freqs: np.ndarray | None = None, e
     writer.close()
 
 
-@pytest.mark.parametrize("qkv_bias", [False, True])
-def test_gguf_round_trip_restores_every_weight(tmp_path, qkv_bias):
-    """Llama, and Qwen2 (its biases; its Q/K rows as they are), back from the GGUF llama.cpp would write: every weight
+# Qwen3's head size 128 (hidden / heads = 8): transformers' GGUF loader takes Qwen3Config's default there, not the file's
+@pytest.mark.parametrize("family", [{}, {"qkv_bias": True}, {"qk_norm": True, "head_dim": 128}])
+def test_gguf_round_trip_restores_every_weight(tmp_path, family):
+    """Llama, Qwen2 (its biases) and Qwen3 (its head norms; both Qwens' Q/K rows as they are), back from the GGUF
+    llama.cpp would write: every weight
     equal; and the logits transformers' own GGUF loader gives on the same file (an independent reading of llama.cpp's
     layout: which rows it permutes, for which architecture)."""
     from transformers import AutoModelForCausalLM
 
-    config = replace(CONFIG, qkv_bias=qkv_bias)
+    config = replace(CONFIG, **family)
     model = Llama(config).initialize(0.5, torch.Generator().manual_seed(0)).eval()
+    with torch.no_grad():  # norms not all ones, so that a norm read as another's shows
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.normal_(1, 0.3, generator=torch.Generator().manual_seed(len(name)))
     write_llama_gguf(model, tmp_path / "tiny.gguf")
     folder = cached_hf_folder(tmp_path / "tiny.gguf", tmp_path / "cache")
     loaded = load_hf_folder(folder)

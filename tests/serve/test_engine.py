@@ -234,26 +234,30 @@ def test_a_llama3_style_folder_chats_as_transformers_generates(tmp_path):
     assert ours.output_ids == expected
 
 
-def test_a_qwen2_folder_serves_transformers_greedy_tokens(tmp_path):
-    """A Qwen2 checkpoint (biases on Q, K and V, θ 1e6, tied embeddings) written as transformers writes one, random
-    weights: prompts of several lengths in one batch — prefill in chunks beside decodes, then the fused decode step —
-    give transformers' greedy tokens."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_a_qwen_folder_serves_transformers_greedy_tokens(tmp_path, family):
+    """A Qwen2 checkpoint (biases on Q, K and V, θ 1e6, tied embeddings) or a Qwen3 one (q and k head norms, a head
+    size of its own: 32 against hidden / heads = 16) written as transformers writes one, random weights: prompts of
+    several lengths in one batch — prefill in chunks beside decodes, then the fused decode step — give transformers'
+    greedy tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from mlsyslab.nn.hf_loader import load_hf_folder
 
     torch.manual_seed(4)
-    theirs = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rope_theta=1000000.0, tie_word_embeddings=True)).eval()
+    theirs = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        family, vocab_size=512, hidden_size=64 if family == "qwen3" else 128, intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+        rope_theta=1000000.0, tie_word_embeddings=True)).eval()
     with torch.no_grad():
         for name, parameter in theirs.named_parameters():
-            if not name.endswith("norm.weight"):
-                parameter.normal_(0, 0.3)
+            parameter.normal_(1, 0.3) if name.endswith("norm.weight") else parameter.normal_(0, 0.3)
     theirs.save_pretrained(tmp_path)
     prompts = [[(37 * i + 11 * j) % 512 for j in range(3 + 13 * i)] for i in range(5)]
     llm = LLM(load_hf_folder(tmp_path), config=EngineConfig(kv_cache_bytes=4_000_000, max_batched_tokens=16))
-    assert llm.engine.source_model.config.qkv_bias and llm.engine.fused_decode is not None
+    config = llm.engine.source_model.config
+    assert (config.qkv_bias, config.qk_norm) == (family == "qwen2", family == "qwen3")
+    assert llm.engine.fused_decode is not None
     ours = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     for prompt, output in zip(prompts, ours):
         expected = theirs.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),

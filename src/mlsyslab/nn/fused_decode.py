@@ -57,9 +57,11 @@ class FusedDecode:
         self.linears: list[PackedLinear] = [linear for layer in model.layers for linear in (
             layer.self_attn.fused_qkv, layer.self_attn.o_proj, layer.mlp.fused_gate_up, layer.mlp.down_proj)]
         self.out_features = [linear.out_features for linear in self.linears]
-        # Qwen2's q|k|v biases, one per layer (none for Llama)
+        # Qwen2's q|k|v biases, one per layer, and Qwen3's q and k head norms, two per layer (none for Llama)
         self.qkv_biases = [layer.self_attn.fused_qkv.bias for layer in model.layers
                            if layer.self_attn.fused_qkv.bias is not None]
+        self.qk_norms = [norm.weight for layer in model.layers for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm)
+                         if norm is not None]
         # the rope tables of every position, once (as `rope_cos_sin` computes them each step: elementwise,
         # so a row here is bit-equal to that step's), [max_seq, head_dim] in the model's dtype
         dtype = model.embed_tokens.weight.dtype
@@ -96,7 +98,7 @@ class FusedDecode:
             return logits, tokens[0]
         hidden = ops.decode_layers(
             model.embed_tokens(input_ids), self.cos[positions], self.sin[positions], self.norms, plan.weights,
-            plan.kernels, self.out_features, self.qkv_biases, attention.k_cache, attention.v_cache, attention.slot_mapping,
+            plan.kernels, self.out_features, self.qkv_biases, self.qk_norms, attention.k_cache, attention.v_cache, attention.slot_mapping,
             attention.decode_tables, attention.decode_lengths, config.heads, config.rms_norm_eps)
         return model.lm_head(model.norm(hidden[logits_rows])), None
 
@@ -124,7 +126,7 @@ class FusedDecode:
         plan = self.plan(len(input_ids))
         return cpu_kernels.load().streamed_decode(
             model.embed_tokens.weight, input_ids, positions, self.cos, self.sin, self.norms, plan.weights,
-            self.qkv_biases, model.norm.weight, plan.head_weight, config.vocab, k_cache, v_cache, slots, tables, lengths, logits_rows,
+            self.qkv_biases, self.qk_norms, model.norm.weight, plan.head_weight, config.vocab, k_cache, v_cache, slots, tables, lengths, logits_rows,
             temperature, uniform, config.heads, config.ffn_hidden, config.rms_norm_eps, writes_first)
 
     def plan(self, rows: int) -> StepPlan:

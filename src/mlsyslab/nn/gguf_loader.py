@@ -7,9 +7,10 @@ write an ordinary HF folder: config.json, model.safetensors (HF tensor names) an
 files. `nn.hf_loader` then loads it like any HF checkpoint, and so can transformers or vLLM.
 Scaled rotary frequencies become config.json's `rope_scaling`: "linear" from the `llama.rope.scaling.*` keys, and
 Llama 3.x's "llama3" from the `rope_freqs` tensor llama.cpp writes for it (`llama3_scaling`).
-Two architectures (`general.architecture`): "llama" and "qwen2" (Qwen2 / Qwen2.5: the same tensors plus the
-`attn_q/k/v.bias` vectors, its keys under `qwen2.*`, and no Q/K permutation: llama.cpp rotates Qwen2's pairs in
-HF's own "rotate half" layout, its NEOX rope type, so the converter leaves the rows as they are).
+Three architectures (`general.architecture`): "llama", "qwen2" (Qwen2 / Qwen2.5: the same tensors plus the
+`attn_q/k/v.bias` vectors) and "qwen3" (plus the `attn_q_norm` / `attn_k_norm` head norms, and a head size of its own,
+`attention.key_length`); their keys under `qwen2.*` / `qwen3.*`, and no Q/K permutation: llama.cpp rotates Qwen's
+pairs in HF's own "rotate half" layout, its NEOX rope type, so the converter leaves the rows as they are.
 
 The Q/K permutation: llama.cpp's converter reorders each head's rows of W_q and W_k from HF's
 "rotate half" layout (channel i pairs with i + d/2) to interleaved pairs (2i, 2i+1):
@@ -38,12 +39,14 @@ LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # general.architecture -> the config.json fields that name the HF model it converts to
 ARCHITECTURES = {
     "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False},
     "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False},
 }
 
 
@@ -70,7 +73,7 @@ def cached_hf_folder(gguf_path: str | Path, cache_dir: str | Path) -> Path:
 
 
 def convert_gguf(gguf_path: str | Path, folder: str | Path) -> None:
-    """Write config.json, model.safetensors and the tokenizer of a llama or qwen2 GGUF into `folder`."""
+    """Write config.json, model.safetensors and the tokenizer of a llama, qwen2 or qwen3 GGUF into `folder`."""
     import gguf
     import torch
     from safetensors.torch import save_file
@@ -104,7 +107,7 @@ def convert_gguf(gguf_path: str | Path, folder: str | Path) -> None:
 
 
 def hf_config_from_gguf(metadata: dict, architecture: str = "llama") -> dict:
-    """HF LlamaConfig (or Qwen2Config) fields from GGUF `llama.*` (`qwen2.*`) keys."""
+    """HF LlamaConfig (or Qwen2Config, Qwen3Config) fields from GGUF `llama.*` (`qwen2.*`, `qwen3.*`) keys."""
     def key(name, default=None):
         value = metadata.get(f"{architecture}.{name}", default)
         if value is None:
@@ -112,7 +115,7 @@ def hf_config_from_gguf(metadata: dict, architecture: str = "llama") -> dict:
         return value
 
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = int(key("rope.dimension_count", hidden // heads))
+    head_dim = int(metadata.get(f"{architecture}.attention.key_length") or key("rope.dimension_count", hidden // heads))
     config = {
         **ARCHITECTURES[architecture],
         "vocab_size": int(key("vocab_size", None) or len(metadata.get("tokenizer.ggml.tokens", []))),

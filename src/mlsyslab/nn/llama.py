@@ -3,7 +3,9 @@
 Architecture (Touvron et al. 2023, "LLaMA"; GQA from Ainslie et al. 2023): token embedding, then
 `layers` pre-norm blocks of grouped-query attention with rotary position embeddings (Su et al.
 2021, base `rope_theta`, frequencies scaled as `rope_scaling` asks: `nn.rope`; biases on the Q, K and V
-projections with `qkv_bias`, as Qwen2 has them: Bai et al. 2023, "Qwen Technical Report") and a SwiGLU MLP (Shazeer 2020) — or, with `experts` > 0, a mixture of
+projections with `qkv_bias`, as Qwen2 has them: Bai et al. 2023, "Qwen Technical Report"; an RMSNorm over each
+query and key head before the rotation with `qk_norm`, as Qwen3: Yang et al. 2025, "Qwen3 Technical Report",
+after Dehghani et al. 2023's QK-norm) and a SwiGLU MLP (Shazeer 2020) — or, with `experts` > 0, a mixture of
 SwiGLU experts from layer `dense_layers` on (`nn.moe`, as Mixtral / DeepSeek-MoE) — RMSNorm (Zhang &
 Sennrich 2019) before each and at the end, and an output head that may share the embedding matrix.
 Parameter names equal Hugging Face's `LlamaForCausalLM` with the `model.` prefix dropped, so an HF
@@ -52,6 +54,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None  # None: the frequencies as θ gives them
     qkv_bias: bool = False  # biases on the Q, K and V projections (Qwen2), none on the others
+    qk_norm: bool = False  # an RMSNorm over each query and key head, before rope (Qwen3)
     rms_norm_eps: float = 1e-5
     tied_embeddings: bool = True
     max_seq: int = 2048
@@ -87,14 +90,14 @@ class LlamaConfig:
         """From a catalog `specs.schema.Model`; the catalog does not record theta or eps, so pass them."""
         unsupported = {
             "norm": spec.norm != "rmsnorm", "gated_mlp": not spec.gated_mlp, "linear_bias": spec.linear_bias,
-            "qk_norm": spec.qk_norm, "learned_positions": spec.learned_positions,
+            "learned_positions": spec.learned_positions,
             "mla": spec.mla is not None,
             "moe": spec.moe is not None and (spec.moe.shared_experts > 0 or spec.moe.router_bias),
         }
         for field, present in unsupported.items():
             if present:
                 raise InvalidValue(field, getattr(spec, field), "the Llama architecture (rmsnorm, gated MLP, no biases "
-                                   "but on Q/K/V, no qk-norm, rotary positions, no latent attention; experts without shared "
+                                   "but on Q/K/V, rotary positions, no latent attention; experts without shared "
                                    "experts or router bias)", f"model {spec.name}")
         moe = {} if spec.moe is None else dict(
             experts=spec.moe.experts, experts_per_token=spec.moe.experts_per_token,
@@ -102,7 +105,7 @@ class LlamaConfig:
         return cls(vocab=spec.vocab, hidden=spec.hidden, layers=spec.layers, heads=spec.heads,
                    kv_heads=spec.num_kv_heads, head_dim=spec.attention_head_dim, ffn_hidden=spec.ffn_hidden,
                    rope_theta=rope_theta, rms_norm_eps=rms_norm_eps, tied_embeddings=spec.tied_embeddings,
-                   max_seq=spec.max_seq, qkv_bias=spec.qkv_bias, **moe)
+                   max_seq=spec.max_seq, qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm, **moe)
 
     def to_spec(self, name: str, parameters: int, source: str):
         """This architecture as a catalog `specs.schema.Model`, for predict's twins of what nn/ runs."""
@@ -111,8 +114,9 @@ class LlamaConfig:
         moe = None if not self.experts else MixtureOfExperts(
             experts=self.experts, experts_per_token=self.experts_per_token, expert_ffn_hidden=self.expert_hidden,
             dense_layers=self.dense_layers)
-        return Model(name=name, source=source, family="qwen2" if self.qkv_bias else "llama", hidden=self.hidden,
-                     layers=self.layers, qkv_bias=self.qkv_bias,
+        family = "qwen3" if self.qk_norm else "qwen2" if self.qkv_bias else "llama"
+        return Model(name=name, source=source, family=family, hidden=self.hidden, layers=self.layers,
+                     qkv_bias=self.qkv_bias, qk_norm=self.qk_norm,
                      heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim, ffn_hidden=self.ffn_hidden,
                      vocab=self.vocab, tied_embeddings=self.tied_embeddings, max_seq=self.max_seq,
                      published_params=parameters, moe=moe)
@@ -127,12 +131,13 @@ class LlamaConfig:
         Mistral's is the same architecture with a sliding window (each token attends to the last `sliding_window`
         positions, itself included): with contexts no longer than the window that is plain causal attention, so a
         window under the model's context caps max_seq at it (Mistral 7B v0.1: 4,096 of 32,768), and none (v0.2 on)
-        changes nothing. Qwen2's adds biases to Q, K and V; its window, where `use_sliding_window` turns it on
-        (for the layers from `max_window_layers`: off in every Qwen2 and Qwen2.5 release), caps max_seq likewise."""
+        changes nothing. Qwen2's adds biases to Q, K and V, Qwen3's an RMSNorm over each query and key head; their
+        window, where `use_sliding_window` turns it on (for the layers from `max_window_layers`: off in every Qwen2,
+        Qwen2.5 and Qwen3 release), caps max_seq likewise."""
         get = hf.get if isinstance(hf, dict) else (lambda key, default=None: getattr(hf, key, default))
         model_type = get("model_type")
-        if model_type not in (None, "llama", "mistral", "qwen2"):
-            raise InvalidValue("model_type", model_type, "llama, mistral or qwen2")
+        if model_type not in (None, "llama", "mistral", "qwen2", "qwen3"):
+            raise InvalidValue("model_type", model_type, "llama, mistral, qwen2 or qwen3")
         max_seq = get("max_position_embeddings", 2048)
         window = get("sliding_window") if model_type == "mistral" or get("use_sliding_window") else None
         rope = get("rope_parameters") or get("rope_scaling") or {}
@@ -150,16 +155,21 @@ class LlamaConfig:
                    rope_scaling=RopeScaling.from_hf(rope),
                    rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
                    tied_embeddings=bool(get("tie_word_embeddings", False)),
-                   max_seq=max_seq if window is None else min(max_seq, window), qkv_bias=model_type == "qwen2")
+                   max_seq=max_seq if window is None else min(max_seq, window), qkv_bias=model_type == "qwen2",
+                   qk_norm=model_type == "qwen3")
 
     def to_hf(self) -> dict:
         """The config.json Hugging Face's LlamaForCausalLM reads for this shape (Qwen2ForCausalLM's with `qkv_bias`:
-        Llama's `attention_bias` would put a bias on the output projection too)."""
+        Llama's `attention_bias` would put a bias on the output projection too; Qwen3ForCausalLM's with `qk_norm`)."""
         if self.experts:
             raise InvalidValue("experts", self.experts, "0: HF's LlamaForCausalLM is dense")
-        family = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False} \
-            if self.qkv_bias else {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
-                                   "mlp_bias": False}
+        if self.qkv_bias and self.qk_norm:
+            raise InvalidValue("qk_norm", True, "False beside qkv_bias: no Hugging Face model has both")
+        family = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+                  "mlp_bias": False}
+        if self.qkv_bias or self.qk_norm:
+            family = {"architectures": ["Qwen3ForCausalLM" if self.qk_norm else "Qwen2ForCausalLM"],
+                      "model_type": "qwen3" if self.qk_norm else "qwen2", "use_sliding_window": False}
         return {
             **family, "vocab_size": self.vocab,
             "hidden_size": self.hidden, "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
@@ -270,6 +280,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden, config.kv_heads * config.head_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden, config.kv_heads * config.head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.heads * config.head_dim, config.hidden, bias=False)
+        self.q_norm, self.k_norm = (RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+                                    for _ in range(2))
         self.fused_qkv = None  # the serving copy's one matrix for q, k and v (nn.packed_linear)
         self.rope = apply_rope  # the serving copy's is one in-place pass (nn.cpu_kernels.rope)
 
@@ -277,8 +289,10 @@ class Attention(nn.Module):
         """residual + o_proj(attention(x))."""
         q, k, v = self.fused_qkv(x) if self.fused_qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         batch, tokens = q.shape[:2]  # under sequence parallelism q spans more tokens than x
-        q = self.rope(q.view(batch, tokens, self.heads, self.head_dim), cos, sin)
-        k = self.rope(k.view(batch, tokens, self.kv_heads, self.head_dim), cos, sin)
+        q, k = q.view(batch, tokens, self.heads, self.head_dim), k.view(batch, tokens, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         v = v.view(batch, tokens, self.kv_heads, self.head_dim)
         return add_projection(residual, self.o_proj, attend(q, k, v).reshape(batch, tokens, self.heads * self.head_dim))
 

@@ -228,6 +228,8 @@ def packed_layer(layer: nn.Module, kernels: bool, min_rows: int) -> nn.Module:
     new.self_attn, new.mlp = attention, mlp
     if kernels:
         attention.rope, mlp.silu_and_mul = cpu_kernels.rope, cpu_kernels.silu_and_mul
+        if attention.q_norm is not None:
+            attention.q_norm, attention.k_norm = map(cpu_kernels.KernelRMSNorm, (attention.q_norm, attention.k_norm))
         new.input_layernorm = cpu_kernels.KernelRMSNorm(layer.input_layernorm)
         new.post_attention_layernorm = cpu_kernels.KernelRMSNorm(layer.post_attention_layernorm)
     return new

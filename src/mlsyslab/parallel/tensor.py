@@ -341,6 +341,8 @@ def parallelize_llama(model, tp: TensorGroup, sequence_parallel: bool = False):
     config, t = model.config, tp.size
     if config.qkv_bias:
         raise InvalidValue("qkv_bias", True, "False: tensor parallelism splits weights, not yet Qwen2's Q/K/V biases")
+    if config.qk_norm:  # each rank's heads would give only part of the head norms' gradient: not all-reduced yet
+        raise InvalidValue("qk_norm", True, "False: tensor parallelism does not sum Qwen3's head-norm gradients yet")
     for field, value in (("heads", config.heads), ("kv_heads", config.kv_heads), ("ffn_hidden", config.ffn_hidden),
                          ("expert_ffn_hidden", config.expert_ffn_hidden or config.ffn_hidden), ("vocab", config.vocab)):
         if value % t:

@@ -5,7 +5,7 @@
 // At decode batch sizes a layer is ~15 small operations around 4 matmuls, and on this 2-core machine
 // the interpreter and dispatch around them cost 6-9 ms a step (a third of the batch-1 step's
 // non-matmul time: docs/serving.md). Here the loop over layers and everything in a layer is C++:
-//   x = rms_norm(h); q|k|v = x·Wqkvᵀ (+ bias); rope(q), rope(k); write k, v into their cache slots;
+//   x = rms_norm(h); q|k|v = x·Wqkvᵀ (+ bias); (head norms;) rope(q), rope(k); write k, v into their cache slots;
 //   h = h + attention(q, cache)·Woᵀ; x = rms_norm(h); h = h + (silu(x·Wgᵀ) · x·Wuᵀ)·Wdᵀ.
 // The matmuls are the ones `nn.packed_linear.PackedLinear` picks for this many rows — oneDNN on the
 // prepacked weight (`mkldnn::_linear_pointwise`, its `.binary` add folding the residual), ATen on the
@@ -84,11 +84,12 @@ void check_slots(const at::Tensor& slots, int64_t tokens, int64_t cache_slots) {
 // hidden [tokens, hidden] after the embedding -> after the last layer (before the final norm).
 // norms: 2 per layer (input, post-attention); weights: 4 per layer (qkv, o, gate|up, down), each the
 // weight of the kernel `kernels` names, with `out_features` outputs; qkv_biases: none, or one per layer, added to
-// the q|k|v product (Qwen2; as nn.packed_linear.FusedPackedLinear adds it); caches [layers, kv_heads,
+// the q|k|v product (Qwen2; as nn.packed_linear.FusedPackedLinear adds it); qk_norms: none, or the q and k head
+// norms' weights of each layer (Qwen3), applied before rope as the Python layers apply them; caches [layers, kv_heads,
 // num_blocks, block_size, head_dim].
 at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin, at::TensorList norms,
                          at::TensorList weights, c10::List<int64_t> kernels, c10::List<int64_t> out_features,
-                         at::TensorList qkv_biases,
+                         at::TensorList qkv_biases, at::TensorList qk_norms,
                          at::Tensor k_cache, at::Tensor v_cache,
                          const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lengths, int64_t heads,
                          double eps) {
@@ -102,6 +103,7 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
               k_cache.scalar_type() == hidden_in.scalar_type() && v_cache.scalar_type() == hidden_in.scalar_type(),
               "k_cache, v_cache: contiguous [layers, kv_heads, num_blocks, block_size, head_dim] in hidden's dtype");
   TORCH_CHECK(qkv_biases.empty() || int64_t(qkv_biases.size()) == layers, "qkv_biases: none, or one per layer");
+  TORCH_CHECK(qk_norms.empty() || int64_t(qk_norms.size()) == 2 * layers, "qk_norms: none, or 2 per layer");
   TORCH_CHECK(heads % kv_heads == 0, "heads (", heads, ") must be a multiple of kv_heads (", kv_heads, ")");
   check_slots(slots, tokens, k_cache.size(2) * k_cache.size(3));
   const int64_t* slot = slots.data_ptr<int64_t>();
@@ -119,6 +121,10 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
     at::Tensor k = fused.narrow(1, heads * head_dim, kv_heads * head_dim).view({tokens, kv_heads, head_dim});
     const at::Tensor v = fused.narrow(1, (heads + kv_heads) * head_dim, kv_heads * head_dim)
                              .view({tokens, kv_heads, head_dim});
+    if (!qk_norms.empty()) {
+      q = rms_norm(q.contiguous(), qk_norms[2 * l], eps);
+      k = rms_norm(k.contiguous(), qk_norms[2 * l + 1], eps);
+    }
     rope_(q, cos, sin);
     rope_(k, cos, sin);
     write_slots(k_layer, k, slot);
@@ -137,7 +143,7 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
 
 TORCH_LIBRARY_FRAGMENT(mlsyslab, m) {
   m.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] weights, int[] kernels, "
-        "int[] out_features, Tensor[] qkv_biases, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor tables, Tensor lengths, "
+        "int[] out_features, Tensor[] qkv_biases, Tensor[] qk_norms, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor tables, Tensor lengths, "
         "int heads, float eps) "
         "-> Tensor", &mlsyslab::decode_layers);
 }

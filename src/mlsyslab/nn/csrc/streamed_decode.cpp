@@ -9,7 +9,8 @@
 // walks the layers together, one barrier per node):
 //   x = rms_norm(h)               every thread, all rows, into its own buffer (a few µs: no barrier)
 //   qkv = x·Wqkvᵀ                 output groups shared out                              | barrier
-//   (+ bias), rope(q, k),         the two units of each (sequence, KV head) item shared out
+//   (+ bias, head norms),         the two units of each (sequence, KV head) item shared out
+//   rope(q, k),
 //   k, v -> cache
 //   attention                     (paged_decode.cpp): the unit that reads the new token ropes and writes
 //                                 its K/V head first; each unit ropes its own copy of the queries | barrier
@@ -78,6 +79,7 @@ struct Step {
   const T* const* norms;  // 2 per layer
   const T* const* tiles;  // 4 per layer (q|k|v, o, gate|up, down), then the lm_head's
   const T* const* qkv_bias;  // one q|k|v row per layer (Qwen2), added as the heads are read; nullptr: none
+  const T* const* qk_norms;  // per layer the q and k head norms' weights (Qwen3), before rope; nullptr: none
   const int64_t* chunks;  // of each matrix's tiles
   const T* final_norm;
   T* k_cache;  // [layers, kv_heads, slots_per_head, head_dim]
@@ -188,6 +190,7 @@ void roped_queries(const Step<T>& s, int64_t layer, int64_t item, int64_t part_o
   T q[128];  // head_dim <= 128 (check_paged_cache)
   for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
     add_qkv_bias(s, layer, head * d, row + head * d, q);
+    if (s.qk_norms != nullptr) rms_norm_row(q, s.qk_norms[2 * layer], q, d, s.eps);
     rope_head(q, rope_row(s, s.cos, token), rope_row(s, s.sin, token), d, rotated);
     float* query = s.query + part_offset + (token * s.heads + head) * d;
     for (int64_t i = 0; i < d; ++i) query[i] = widen(q[i]);
@@ -203,6 +206,7 @@ void rope_and_cache(const Step<T>& s, int64_t layer, int64_t item, float* rotate
   const int64_t k_offset = (s.heads + kv_head) * d, v_offset = (s.heads + s.kv_heads + kv_head) * d;
   T* k = row + k_offset;
   add_qkv_bias(s, layer, k_offset, k, k);
+  if (s.qk_norms != nullptr) rms_norm_row(k, s.qk_norms[2 * layer + 1], k, d, s.eps);
   rope_head(k, rope_row(s, s.cos, token), rope_row(s, s.sin, token), d, rotated);
   const int64_t slot = ((layer * s.kv_heads + kv_head) * s.slots_per_head + s.slots[token]) * d;
   std::memcpy(s.k_cache + slot, k, d * sizeof(T));
@@ -329,7 +333,7 @@ namespace mlsyslab {
 // `--num-scheduler-steps`: the caller reserved the slots of every step).
 // embedding [vocab, hidden]; cos, sin: the rope rows of every position [positions, head_dim]; norms: 2 per
 // layer; tiles: 4 per layer (qkv, o, gate|up, down), from stream_pack; qkv_biases: none, or one [q|k|v] per layer;
-// caches
+// qk_norms: none, or the q and k head norms' weights [head_dim] of each layer; caches
 // [layers, kv_heads, num_blocks, block_size, head_dim]; tables [tokens, blocks] cover the last step; one new token per
 // sequence a step, unless `writes_first`: then rows may be consecutive positions of one sequence (a speculative
 // draft verified in one step), each reading the K/V the earlier ones write, so every row's K/V is written before
@@ -338,6 +342,7 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
                            const at::Tensor& embedding, const at::Tensor& input_ids, const at::Tensor& positions,
                            const at::Tensor& cos, const at::Tensor& sin,
                            at::TensorList norms, at::TensorList tiles, at::TensorList qkv_biases,
+                           at::TensorList qk_norms,
                            const at::Tensor& final_norm,
                            const at::Tensor& head_tiles, int64_t vocab, at::Tensor k_cache, at::Tensor v_cache,
                            const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lengths,
@@ -400,6 +405,12 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
     TORCH_CHECK(bias.dim() == 1 && bias.size(0) == shapes[0][0] && bias.is_contiguous() && bias.scalar_type() == dtype,
                 "qkv_biases: contiguous [", shapes[0][0], "] (q|k|v) in the embedding's dtype");
   }
+  TORCH_CHECK(qk_norms.empty() || int64_t(qk_norms.size()) == 2 * layers, "qk_norms: none, or 2 per layer for ",
+              layers, " layers");
+  for (const at::Tensor& norm : qk_norms) {
+    TORCH_CHECK(norm.dim() == 1 && norm.size(0) == head_dim && norm.is_contiguous() && norm.scalar_type() == dtype,
+                "qk_norms: contiguous [head_dim] in the embedding's dtype");
+  }
   check_tiles(head_tiles, vocab, hidden, "head_tiles");
   TORCH_CHECK(head_tiles.scalar_type() == dtype, "head_tiles: in the embedding's dtype");
   TORCH_CHECK(logit_rows.dim() == 1 && logit_rows.scalar_type() == at::kLong && logit_rows.is_contiguous(),
@@ -440,9 +451,10 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
   at::Tensor picked = at::empty({steps, rows}, logit_rows.options());
   const auto fill = [&](auto tag) {
     using T = decltype(tag);
-    std::vector<const T*> norm_weights, tile_weights, biases;
+    std::vector<const T*> norm_weights, tile_weights, biases, head_norms;
     std::vector<int64_t> chunks;
     for (const at::Tensor& norm : norms) norm_weights.push_back(norm.data_ptr<T>());
+    for (const at::Tensor& norm : qk_norms) head_norms.push_back(norm.data_ptr<T>());
     for (const at::Tensor& bias : qkv_biases) biases.push_back(bias.data_ptr<T>());
     for (int64_t i = 0; i <= 4 * layers; ++i) {
       const at::Tensor& tile = i < 4 * layers ? tiles[i] : head_tiles;
@@ -451,7 +463,8 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
     }
     const Step<T> s{steps, layers, tokens, hidden, heads, kv_heads, head_dim, ffn, vocab, k_cache.size(2) * k_cache.size(3),
               float(eps), embedding.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), positions.data_ptr<int64_t>(),
-              norm_weights.data(), tile_weights.data(), biases.empty() ? nullptr : biases.data(), chunks.data(),
+              norm_weights.data(), tile_weights.data(), biases.empty() ? nullptr : biases.data(),
+              head_norms.empty() ? nullptr : head_norms.data(), chunks.data(),
               final_norm.data_ptr<T>(),
               k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), slots.data_ptr<int64_t>(),
               logit_rows.data_ptr<int64_t>(), logit_rows.size(0),
@@ -473,7 +486,7 @@ std::tuple<at::Tensor, at::Tensor> streamed_decode(
 
 TORCH_LIBRARY_FRAGMENT(mlsyslab, m) {
   m.def("streamed_decode(Tensor embedding, Tensor input_ids, Tensor positions, Tensor cos, Tensor sin, Tensor[] norms, "
-        "Tensor[] tiles, Tensor[] qkv_biases, Tensor final_norm, Tensor head_tiles, int vocab, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor[] tiles, Tensor[] qkv_biases, Tensor[] qk_norms, Tensor final_norm, Tensor head_tiles, int vocab, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slots, Tensor tables, Tensor lengths, Tensor logit_rows, Tensor temperature, Tensor uniform, int heads, "
         "int ffn, float eps, bool writes_first=False) -> "
         "(Tensor, Tensor)", &mlsyslab::streamed_decode);
