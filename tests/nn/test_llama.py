@@ -80,11 +80,12 @@ def test_a_mistral_checkpoint_loads_and_equals_hf_mistral(tmp_path, window):
 
 
 @pytest.mark.parametrize("window", [None, 16])
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_a_qwen_checkpoint_loads_and_equals_transformers(tmp_path, family, window):
-    """Qwen2 is Llama with biases on Q, K and V (random here: transformers initialises them to zero); Qwen3 with an
-    RMSNorm over each query and key head instead, and a head size of its own (16 here, against hidden / heads = 8).
-    Their sliding window, where `use_sliding_window` turns it on, caps the context at it, as Mistral's does."""
+@pytest.mark.parametrize("family", ["phi3", "qwen2", "qwen3"])
+def test_phi3_and_qwen_checkpoints_load_and_equal_transformers(tmp_path, family, window):
+    """Phi-3 is Llama with q|k|v and gate|up stored as one matrix each (split at load); Qwen2 Llama with biases on
+    Q, K and V (random here: transformers initialises them to zero); Qwen3 with an RMSNorm over each query and key head
+    instead, and a head size of its own (16 here, against hidden / heads = 8). Their sliding window (Qwen's where
+    `use_sliding_window` turns it on) caps the context at it, as Mistral's does."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(3)
@@ -92,7 +93,7 @@ def test_a_qwen_checkpoint_loads_and_equals_transformers(tmp_path, family, windo
         family, vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16 if family == "qwen3" else 8, max_position_embeddings=64,
         rope_theta=1000000.0, rms_norm_eps=1e-6, use_sliding_window=window is not None, sliding_window=window,
-        max_window_layers=0, tie_word_embeddings=True)).eval()
+        max_window_layers=0, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
     with torch.no_grad():
         for name, parameter in theirs.named_parameters():
             parameter.normal_(1, 0.3) if name.endswith("norm.weight") else parameter.normal_(0, 0.5)
@@ -159,7 +160,13 @@ def test_config_rejects_what_is_not_llama():
     with pytest.raises(InvalidValue, match="rope_type"):
         LlamaConfig.from_hf({**LlamaConfig(**TINY).to_hf(), "rope_scaling": {"rope_type": "yarn", "factor": 8.0}})
     with pytest.raises(InvalidValue, match="model_type"):
-        LlamaConfig.from_hf({**LlamaConfig(**TINY).to_hf(), "model_type": "phi3"})
+        LlamaConfig.from_hf({**LlamaConfig(**TINY).to_hf(), "model_type": "gemma"})
+    with pytest.raises(InvalidValue, match="partial_rotary_factor"):  # Phi-4-mini's: rope over 3/4 of each head
+        LlamaConfig.from_hf({**LlamaConfig(**TINY).to_hf(), "model_type": "phi3", "rope_parameters": {
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}})
+    with pytest.raises(InvalidValue, match="rope_type"):  # Phi-3's 128k models
+        LlamaConfig.from_hf({**LlamaConfig(**TINY).to_hf(), "model_type": "phi3", "rope_scaling": {
+            "type": "longrope", "long_factor": [1.0] * 4, "short_factor": [1.0] * 4}})
     with pytest.raises(InvalidValue, match="attention_bias"):  # Llama's puts a bias on o_proj too: not built
         LlamaConfig.from_hf({**LlamaConfig(**TINY).to_hf(), "attention_bias": True})
     qwen = LlamaConfig.from_spec(catalog.model("Qwen2.5-0.5B"), rope_theta=1000000.0)  # biases on q/k/v: built

@@ -29,21 +29,23 @@ LAYER_PARTS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
-def write_llama_gguf(model: Llama, path, rope_freqs: np.ndarray | None = None, end_ids: dict | None = None):
+def write_llama_gguf(model: Llama, path, rope_freqs: np.ndarray | None = None, end_ids: dict | None = None,
+                     phi3: bool = False, extra: dict[str, np.ndarray] | None = None):
     """A GGUF as llama.cpp's converter writes one: its names, Q/K rows permuted, fp32 tensors (and Llama 3.x's
     scaled frequencies as `rope_freqs`, or a linear scaling as keys; special token ids as `end_ids` names them).
     A model with q/k/v biases is written as Qwen2's: architecture "qwen2", the biases, no permutation; one with head
-    norms as Qwen3's (and its head size as `attention.key_length`)."""
+    norms as Qwen3's (and its head size as `attention.key_length`); with `phi3`, as Phi-3's: q|k|v as one `attn_qkv`
+    and gate|up as one `ffn_up`, no permutation. `extra`: more tensors, by GGUF name."""
     config = model.config
-    architecture = "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else "llama"
+    architecture = "phi3" if phi3 else "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else "llama"
     writer = gguf.GGUFWriter(str(path), architecture)
     if config.rope_scaling is not None and config.rope_scaling.rope_type == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(config.rope_scaling.factor)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
-    for name, token_id in (end_ids or {}).items():
-        writer.add_uint32(f"tokenizer.ggml.{name}_token_id", token_id)
+    for name, array in (extra or {}).items():
+        writer.add_tensor(name, array)
     writer.add_block_count(config.layers)
     writer.add_context_length(config.max_seq)
     writer.add_embedding_length(config.hidden)
@@ -57,8 +59,18 @@ def write_llama_gguf(model: Llama, path, rope_freqs: np.ndarray | None = None, e
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab)
-    for name, tensor in model.state_dict().items():
-        array = tensor.numpy().astype(np.float32)
+    state = {name: tensor.numpy().astype(np.float32) for name, tensor in model.state_dict().items()}
+    if phi3:
+        writer.add_sliding_window(0)  # none, as llama.cpp writes it
+        end_ids = {"padding": 0, "bos": 1, "eos": 2, **(end_ids or {})}  # else Phi3Config's 32000s, outside the vocabulary
+        for layer in range(config.layers):
+            for fused, parts in (("attn_qkv", ("q_proj", "k_proj", "v_proj")), ("ffn_up", ("gate_proj", "up_proj"))):
+                where = "self_attn" if fused == "attn_qkv" else "mlp"
+                writer.add_tensor(f"blk.{layer}.{fused}.weight", np.concatenate(
+                    [state.pop(f"layers.{layer}.{where}.{part}.weight") for part in parts]))
+    for name, token_id in (end_ids or {}).items():
+        writer.add_uint32(f"tokenizer.ggml.{name}_token_id", token_id)
+    for name, array in state.items():
         if name.startswith("layers."):
             stem, suffix = name.rsplit(".", 1)
             _, layer, part = stem.split(".", 2)
@@ -77,21 +89,22 @@ def write_llama_gguf(model: Llama, path, rope_freqs: np.ndarray | None = None, e
 
 
 # Qwen3's head size 128 (hidden / heads = 8): transformers' GGUF loader takes Qwen3Config's default there, not the file's
-@pytest.mark.parametrize("family", [{}, {"qkv_bias": True}, {"qk_norm": True, "head_dim": 128}])
+@pytest.mark.parametrize("family", [{}, {"phi3": True}, {"qkv_bias": True}, {"qk_norm": True, "head_dim": 128}])
 def test_gguf_round_trip_restores_every_weight(tmp_path, family):
-    """Llama, Qwen2 (its biases) and Qwen3 (its head norms; both Qwens' Q/K rows as they are), back from the GGUF
-    llama.cpp would write: every weight
+    """Llama, Phi-3 (q|k|v and gate|up fused), Qwen2 (its biases) and Qwen3 (its head norms; the last three's Q/K rows
+    as they are), back from the GGUF llama.cpp would write: every weight
     equal; and the logits transformers' own GGUF loader gives on the same file (an independent reading of llama.cpp's
     layout: which rows it permutes, for which architecture)."""
     from transformers import AutoModelForCausalLM
 
+    phi3 = family.pop("phi3", False)
     config = replace(CONFIG, **family)
     model = Llama(config).initialize(0.5, torch.Generator().manual_seed(0)).eval()
     with torch.no_grad():  # norms not all ones, so that a norm read as another's shows
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
                 parameter.normal_(1, 0.3, generator=torch.Generator().manual_seed(len(name)))
-    write_llama_gguf(model, tmp_path / "tiny.gguf")
+    write_llama_gguf(model, tmp_path / "tiny.gguf", phi3=phi3)
     folder = cached_hf_folder(tmp_path / "tiny.gguf", tmp_path / "cache")
     loaded = load_hf_folder(folder)
     assert loaded.config == replace(config, rms_norm_eps=float(np.float32(CONFIG.rms_norm_eps)))  # GGUF stores fp32
@@ -121,6 +134,16 @@ def test_gguf_scaled_rope_becomes_rope_scaling(tmp_path, scaling):
         write_llama_gguf(model, tmp_path / "odd.gguf", divisors * [1.0, 1.0, 1.5, 1.0])
         with pytest.raises(InvalidValue, match="rope_freqs"):
             cached_hf_folder(tmp_path / "odd.gguf", tmp_path / "cache")
+
+
+def test_phi3_long_context_gguf_is_refused_by_name(tmp_path):
+    """Phi-3's 128k models scale their frequencies by `rope_factors_long` / `_short` tensors (longrope): not built."""
+    model = Llama(CONFIG).initialize(0.5, torch.Generator().manual_seed(0))
+    factors = np.ones(CONFIG.head_dim // 2, dtype=np.float32)
+    write_llama_gguf(model, tmp_path / "long.gguf", phi3=True,
+                     extra={"rope_factors_long.weight": factors, "rope_factors_short.weight": factors})
+    with pytest.raises(InvalidValue, match="rope_scaling='longrope'"):
+        cached_hf_folder(tmp_path / "long.gguf", tmp_path / "cache")
 
 
 def test_gguf_end_of_generation_ids_become_eos_token_ids(tmp_path):

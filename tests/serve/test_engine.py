@@ -234,10 +234,11 @@ def test_a_llama3_style_folder_chats_as_transformers_generates(tmp_path):
     assert ours.output_ids == expected
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_a_qwen_folder_serves_transformers_greedy_tokens(tmp_path, family):
-    """A Qwen2 checkpoint (biases on Q, K and V, θ 1e6, tied embeddings) or a Qwen3 one (q and k head norms, a head
-    size of its own: 32 against hidden / heads = 16) written as transformers writes one, random weights: prompts of
+@pytest.mark.parametrize("family", ["phi3", "qwen2", "qwen3"])
+def test_phi3_and_qwen_folders_serve_transformers_greedy_tokens(tmp_path, family):
+    """A Phi-3 checkpoint (q|k|v and gate|up fused, split at load), a Qwen2 one (biases on Q, K and V) or a Qwen3 one
+    (q and k head norms, a head size of its own: 32 against hidden / heads = 16) written as transformers writes one,
+    θ 1e6, tied embeddings, random weights: prompts of
     several lengths in one batch — prefill in chunks beside decodes, then the fused decode step — give transformers'
     greedy tokens."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -248,7 +249,7 @@ def test_a_qwen_folder_serves_transformers_greedy_tokens(tmp_path, family):
     theirs = AutoModelForCausalLM.from_config(AutoConfig.for_model(
         family, vocab_size=512, hidden_size=64 if family == "qwen3" else 128, intermediate_size=256,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-        rope_theta=1000000.0, tie_word_embeddings=True)).eval()
+        rope_theta=1000000.0, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
     with torch.no_grad():
         for name, parameter in theirs.named_parameters():
             parameter.normal_(1, 0.3) if name.endswith("norm.weight") else parameter.normal_(0, 0.3)
@@ -257,7 +258,7 @@ def test_a_qwen_folder_serves_transformers_greedy_tokens(tmp_path, family):
     llm = LLM(load_hf_folder(tmp_path), config=EngineConfig(kv_cache_bytes=4_000_000, max_batched_tokens=16))
     config = llm.engine.source_model.config
     assert (config.qkv_bias, config.qk_norm) == (family == "qwen2", family == "qwen3")
-    assert llm.engine.fused_decode is not None
+    assert llm.engine.fused_decode is not None and config.head_dim == 32
     ours = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     for prompt, output in zip(prompts, ours):
         expected = theirs.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),

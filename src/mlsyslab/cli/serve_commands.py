@@ -17,7 +17,7 @@ from mlsyslab.cli.options import Json, check_positive, check_range, resolve_assu
 from mlsyslab.cli.render import emit_json
 from mlsyslab.errors import InvalidValue
 
-ModelPath = Annotated[str, typer.Option("--model", "-m", help="default (SmolLM2-135M-Instruct), a .gguf file or an HF folder: Llama, Mistral, Qwen2, Qwen3")]
+ModelPath = Annotated[str, typer.Option("--model", "-m", help="default (SmolLM2-135M-Instruct), a .gguf file or an HF folder: Llama, Mistral, Phi-3, Qwen2, Qwen3")]
 ServeDtype = Annotated[str, typer.Option("--dtype", help="weights and KV cache: fp32 or bf16")]
 Threads = Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads (default: torch's choice)")]
 ServeThreads = Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads of the engine process "

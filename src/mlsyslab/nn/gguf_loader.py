@@ -7,10 +7,13 @@ write an ordinary HF folder: config.json, model.safetensors (HF tensor names) an
 files. `nn.hf_loader` then loads it like any HF checkpoint, and so can transformers or vLLM.
 Scaled rotary frequencies become config.json's `rope_scaling`: "linear" from the `llama.rope.scaling.*` keys, and
 Llama 3.x's "llama3" from the `rope_freqs` tensor llama.cpp writes for it (`llama3_scaling`).
-Three architectures (`general.architecture`): "llama", "qwen2" (Qwen2 / Qwen2.5: the same tensors plus the
-`attn_q/k/v.bias` vectors) and "qwen3" (plus the `attn_q_norm` / `attn_k_norm` head norms, and a head size of its own,
-`attention.key_length`); their keys under `qwen2.*` / `qwen3.*`, and no Q/K permutation: llama.cpp rotates Qwen's
-pairs in HF's own "rotate half" layout, its NEOX rope type, so the converter leaves the rows as they are.
+Four architectures (`general.architecture`): "llama", "phi3" (Phi-3: q|k|v as one `attn_qkv` matrix and gate|up as
+one `ffn_up`, written as HF's `qkv_proj` / `gate_up_proj`, which `nn.hf_loader` splits; its window from
+`attention.sliding_window`; the long-context models' `rope_factors_*` refused), "qwen2" (Qwen2 / Qwen2.5: the same
+tensors as llama plus the `attn_q/k/v.bias` vectors) and "qwen3" (plus the `attn_q_norm` / `attn_k_norm` head norms,
+and a head size of its own, `attention.key_length`); each one's keys under its own name, and for all but llama no Q/K
+permutation: llama.cpp rotates their pairs in HF's own "rotate half" layout (its NEOX rope type), so the converter
+leaves the rows as they are.
 
 The Q/K permutation: llama.cpp's converter reorders each head's rows of W_q and W_k from HF's
 "rotate half" layout (channel i pairs with i + d/2) to interleaved pairs (2i, 2i+1):
@@ -41,10 +44,12 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+PHI3_LAYER_NAMES = {**LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # general.architecture -> the config.json fields that name the HF model it converts to
 ARCHITECTURES = {
     "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False},
+    "phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3"},
     "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False},
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False},
 }
@@ -73,7 +78,7 @@ def cached_hf_folder(gguf_path: str | Path, cache_dir: str | Path) -> Path:
 
 
 def convert_gguf(gguf_path: str | Path, folder: str | Path) -> None:
-    """Write config.json, model.safetensors and the tokenizer of a llama, qwen2 or qwen3 GGUF into `folder`."""
+    """Write config.json, model.safetensors and the tokenizer of a llama, phi3, qwen2 or qwen3 GGUF into `folder`."""
     import gguf
     import torch
     from safetensors.torch import save_file
@@ -92,11 +97,13 @@ def convert_gguf(gguf_path: str | Path, folder: str | Path) -> None:
         if tensor.name == "rope_freqs.weight":
             config["rope_scaling"] = llama3_scaling(weights, config)
             continue
+        if tensor.name.startswith("rope_factors_"):  # Phi-3's long-context frequencies
+            raise InvalidValue("rope_scaling", "longrope", "none, linear or llama3", f"in {gguf_path}")
         if architecture == "llama" and ".attn_q." in tensor.name:
             weights = unpermute_qk(weights, config["num_attention_heads"])
         elif architecture == "llama" and ".attn_k." in tensor.name:
             weights = unpermute_qk(weights, config["num_key_value_heads"])
-        tensors[hf_tensor_name(tensor.name)] = torch.from_numpy(np.require(weights, requirements=["C", "W"]))
+        tensors[hf_tensor_name(tensor.name, architecture)] = torch.from_numpy(np.require(weights, requirements=["C", "W"]))
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -107,7 +114,7 @@ def convert_gguf(gguf_path: str | Path, folder: str | Path) -> None:
 
 
 def hf_config_from_gguf(metadata: dict, architecture: str = "llama") -> dict:
-    """HF LlamaConfig (or Qwen2Config, Qwen3Config) fields from GGUF `llama.*` (`qwen2.*`, `qwen3.*`) keys."""
+    """HF LlamaConfig (or Phi3Config, Qwen2Config, Qwen3Config) fields from GGUF `llama.*` (`phi3.*`, ...) keys."""
     def key(name, default=None):
         value = metadata.get(f"{architecture}.{name}", default)
         if value is None:
@@ -125,6 +132,8 @@ def hf_config_from_gguf(metadata: dict, architecture: str = "llama") -> dict:
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)), "hidden_act": "silu",
         "max_position_embeddings": int(key("context_length", 2048)),
     }
+    if metadata.get(f"{architecture}.attention.sliding_window"):  # 0: none
+        config["sliding_window"] = int(metadata[f"{architecture}.attention.sliding_window"])
     scaling = metadata.get(f"{architecture}.rope.scaling.type", "none")
     if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
@@ -157,16 +166,17 @@ def llama3_scaling(divisors: np.ndarray, config: dict) -> dict:
     return scaling.to_hf()
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (phi3's `ffn_up` is gate|up)."""
     stem, suffix = gguf_name.rsplit(".", 1)
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
-        if part not in LAYER_NAMES:
-            raise InvalidValue("tensor", gguf_name, ", ".join(LAYER_NAMES), "not a llama tensor")
-        return f"model.layers.{layer}.{LAYER_NAMES[part]}.{suffix}"
+        names = PHI3_LAYER_NAMES if architecture == "phi3" else LAYER_NAMES
+        if part not in names:
+            raise InvalidValue("tensor", gguf_name, ", ".join(names), f"not a {architecture} tensor")
+        return f"model.layers.{layer}.{names[part]}.{suffix}"
     if stem not in GLOBAL_NAMES:
-        raise InvalidValue("tensor", gguf_name, ", ".join(GLOBAL_NAMES), "not a llama tensor")
+        raise InvalidValue("tensor", gguf_name, ", ".join(GLOBAL_NAMES), f"not a {architecture} tensor")
     return f"{GLOBAL_NAMES[stem]}.{suffix}"
 
 

@@ -1,7 +1,8 @@
 """Load a Hugging Face safetensors folder (config.json + *.safetensors) into `nn.llama.Llama`.
 
 Our parameter names are HF's `LlamaForCausalLM` names without the `model.` prefix, so loading is a
-rename; tensors are memory-mapped by safetensors and assigned without a copy when the dtype already
+rename (and, for checkpoints that store q|k|v and gate|up as one matrix each, as Phi-3's `qkv_proj` and
+`gate_up_proj`, a split into row slices: `split_fused`); tensors are memory-mapped by safetensors and assigned without a copy when the dtype already
 matches (a 538 MB fp32 folder loads in about a second). Shards listed in
 `model.safetensors.index.json` are read in turn. Tested in tests/nn/test_loaders.py.
 """
@@ -24,7 +25,8 @@ def load_hf_folder(folder: str | Path, dtype: torch.dtype = torch.float32, devic
     if not config_path.is_file():
         raise InvalidValue("model", str(folder), "a folder with config.json and *.safetensors")
     config = LlamaConfig.from_hf(json.loads(config_path.read_text()))
-    state = {our_name(name): tensor.to(dtype=dtype, device=device) for name, tensor in read_safetensors(folder).items()}
+    state = split_fused({our_name(name): tensor.to(dtype=dtype, device=device)
+                         for name, tensor in read_safetensors(folder).items()}, config)
     if config.tied_embeddings:
         state.pop("lm_head.weight", None)
     with torch.device("meta"):
@@ -54,6 +56,28 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def our_name(hf_name: str) -> str:
     return hf_name.removeprefix("model.")
+
+
+def split_fused(state: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Phi-3's fused matrices as our separate ones: `qkv_proj` rows are q (heads·d), k and v (kv_heads·d each) in
+    turn, `gate_up_proj` rows gate then up (transformers' Phi3MLP: `gate, up = gate_up_proj(x).chunk(2)`). Views, not
+    copies."""
+    widths = {"self_attn.qkv_proj": [("self_attn.q_proj", config.heads * config.head_dim),
+                                     ("self_attn.k_proj", config.kv_heads * config.head_dim),
+                                     ("self_attn.v_proj", config.kv_heads * config.head_dim)],
+              "mlp.gate_up_proj": [("mlp.gate_proj", config.ffn_hidden), ("mlp.up_proj", config.ffn_hidden)]}
+    split = {}
+    for name, tensor in state.items():
+        fused = next((key for key in widths if f".{key}." in name), None)
+        if fused is None:
+            split[name] = tensor
+            continue
+        rows = [width for _, width in widths[fused]]
+        if tensor.shape[0] != sum(rows):
+            raise InvalidValue(name, list(tensor.shape), f"{sum(rows)} rows ({fused} of this config)")
+        for (part, _), piece in zip(widths[fused], tensor.split(rows)):
+            split[name.replace(fused, part)] = piece
+    return split
 
 
 def save_hf_folder(model: Llama, folder: str | Path) -> None:

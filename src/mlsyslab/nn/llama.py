@@ -127,8 +127,9 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf) -> LlamaConfig:
-        """From a transformers `LlamaConfig` (or its config.json as a dict), or a `MistralConfig` or `Qwen2Config`.
-        Mistral's is the same architecture with a sliding window (each token attends to the last `sliding_window`
+        """From a transformers `LlamaConfig` (or its config.json as a dict), or a Mistral, Phi-3, Qwen2 or Qwen3 one.
+        Mistral's and Phi-3's are the same architecture (Phi-3's checkpoints fuse q|k|v and gate|up into one matrix
+        each: `nn.hf_loader` splits them) with a sliding window (each token attends to the last `sliding_window`
         positions, itself included): with contexts no longer than the window that is plain causal attention, so a
         window under the model's context caps max_seq at it (Mistral 7B v0.1: 4,096 of 32,768), and none (v0.2 on)
         changes nothing. Qwen2's adds biases to Q, K and V, Qwen3's an RMSNorm over each query and key head; their
@@ -136,11 +137,14 @@ class LlamaConfig:
         Qwen2.5 and Qwen3 release), caps max_seq likewise."""
         get = hf.get if isinstance(hf, dict) else (lambda key, default=None: getattr(hf, key, default))
         model_type = get("model_type")
-        if model_type not in (None, "llama", "mistral", "qwen2", "qwen3"):
-            raise InvalidValue("model_type", model_type, "llama, mistral, qwen2 or qwen3")
+        if model_type not in (None, "llama", "mistral", "phi3", "qwen2", "qwen3"):
+            raise InvalidValue("model_type", model_type, "llama, mistral, phi3, qwen2 or qwen3")
         max_seq = get("max_position_embeddings", 2048)
-        window = get("sliding_window") if model_type == "mistral" or get("use_sliding_window") else None
+        window = get("sliding_window") if model_type in ("mistral", "phi3") or get("use_sliding_window") else None
         rope = get("rope_parameters") or get("rope_scaling") or {}
+        rotated = rope.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
+        if rotated != 1.0:  # Phi-4-mini rotates 3/4 of each head
+            raise InvalidValue("partial_rotary_factor", rotated, "1.0 (rotary embeddings over the whole head)")
         for flag in ("attention_bias", "mlp_bias"):
             if get(flag):
                 raise InvalidValue(flag, True, "False (Llama without biases)")
