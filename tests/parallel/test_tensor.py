@@ -2,6 +2,7 @@
 model: logits, loss and every gradient shard, and the wire carries 4 collectives of s·b·h per layer."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -16,13 +17,17 @@ CONFIG = LlamaConfig(vocab=64, hidden=32, layers=2, heads=8, kv_heads=4, head_di
                      max_seq=64)
 
 
-def _compare(rank, sequence_parallel):
+def _compare(rank, sequence_parallel, config=CONFIG):
     torch.manual_seed(0)
-    reference = Llama(CONFIG).initialize(generator=torch.Generator().manual_seed(1))
-    ids = torch.randint(0, CONFIG.vocab, (2, 9), generator=torch.Generator().manual_seed(2))
+    reference = Llama(config).initialize(generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # norms not all ones, so that a gradient summed wrongly over the ranks shows in the update
+        for name, parameter in reference.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.normal_(1, 0.3, generator=torch.Generator().manual_seed(len(name)))
+    ids = torch.randint(0, config.vocab, (2, 9), generator=torch.Generator().manual_seed(2))
     inputs, targets = ids[:, :-1], ids[:, 1:]
     logits = reference(inputs)
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, CONFIG.vocab), targets.reshape(-1))
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, config.vocab), targets.reshape(-1))
     loss.backward()
 
     log = CommLog()
@@ -47,6 +52,12 @@ def _compare(rank, sequence_parallel):
             "down": (ours_layer.mlp.down_proj.weight, ref_layer.mlp.down_proj.weight, 1),
             "norm": (ours_layer.input_layernorm.weight, ref_layer.input_layernorm.weight, None),
         }
+        if config.qkv_bias:  # Qwen2's: split with the outputs
+            pairs.update({f"{name}_bias": (getattr(ours_layer.self_attn.fused_qkv, name).bias,
+                                           getattr(ref_layer.self_attn, f"{name}_proj").bias, 0) for name in "qkv"})
+        if config.qk_norm:  # Qwen3's: whole on every rank, the gradient summed over the ranks' heads
+            pairs.update({name: (getattr(ours_layer.self_attn, name).weight, getattr(ref_layer.self_attn, name).weight,
+                                 None) for name in ("q_norm", "k_norm")})
         for name, (mine, full, dim) in pairs.items():
             expected = full.grad if dim is None else full.grad.chunk(t, dim=dim)[r]
             errors[f"layer{index}.{name}"] = (mine.grad - expected).abs().max().item()
@@ -70,6 +81,16 @@ def test_tensor_parallel_equals_single_process(world, sequence_parallel):
         assert log["reduce_scatter"]["bytes_sent"] == pytest.approx((2 * layers + 1) * (world - 1) / world * message)
     else:
         assert log["all_reduce"]["calls"] == 2 * layers + 1 + 3  # + embedding, + loss: max, sum, target
+
+
+@pytest.mark.parametrize("family", [{"qkv_bias": True}, {"qk_norm": True}])
+@pytest.mark.parametrize("world, sequence_parallel", [(2, False), (2, True), (4, True)])
+def test_tensor_parallel_qwen_equals_single_process(family, world, sequence_parallel):
+    """Qwen2's biases on Q, K and V, split with their heads (under SP through the gathered entry's backward), and
+    Qwen3's query and key head norms, whose gradients each rank holds for its heads only (summed over TP): logits,
+    loss and every gradient equal to one process's."""
+    for errors, _ in spawn(_compare, world, sequence_parallel, dataclasses.replace(CONFIG, **family)):
+        assert max(errors.values()) < 1e-5, errors
 
 
 # capacity 1.25: some slots are dropped, and the same ones on every rank (they route the same tokens)

@@ -216,6 +216,20 @@ def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny, 
         assert 1.0 <= activations["ratio"] < 1.3, (args, activations)  # layers keep rope's and attention's outputs too
 
 
+@pytest.mark.parametrize("family", [pytest.param("qkv_bias", marks=pytest.mark.slow), "qk_norm"])  # CI time
+def test_qwen_models_train_under_tensor_parallelism_as_on_one_process(tmp_path, family):
+    """A Qwen2-shaped model (biases on Q, K and V) and a Qwen3-shaped one (query and key head norms) under TP 2 with
+    sequence parallelism: one process's losses, and TP bytes equal to predict's (Qwen3's: each microbatch's backward
+    sums the head norms' gradients over TP, besides SP's norms)."""
+    spec = tmp_path / "qwen.yaml"
+    spec.write_text(TINY.replace("family: llama", "family: qwen") + f"{family}: true\n")
+    reference = _train_json(spec, "--nproc", "1", "--steps", "3")["result"]["losses"]
+    report = _train_json(spec, "--steps", "3", "--tp", "2", "--sequence-parallel")
+    assert report["result"]["losses"] == pytest.approx(reference, rel=1e-5)
+    wire = report["predicted_vs_measured"]["wire_bytes_per_step"]["tensor_parallel"]
+    assert wire["measured"] == pytest.approx(wire["predicted"])
+
+
 def test_sequence_parallel_through_the_pipeline(tiny, single_process_losses):
     """TP 2 × PP 2 with sequence parallelism: activations cross the pipeline as [b, s/2, h] and rope still sees
     every position; the losses are one process's, and rank 0's TP bytes (its stage's layers, the entries' regathers

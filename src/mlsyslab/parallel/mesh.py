@@ -80,9 +80,6 @@ class MeshLayout:
                                            ("cp", 2 * self.cp, seq, "sequence (zig-zag: 2·cp chunks)")):
             if divides % value:
                 raise InvalidValue(name, getattr(self, name), f"a divisor of the {divides} {what}")
-        if self.tp > 1 and (model_config.qkv_bias or model_config.qk_norm):
-            raise InvalidValue("tp", self.tp, "1 for a model with Q/K/V biases or head norms (Qwen2, Qwen3): tensor "
-                               "parallelism does not split them yet")
         if self.ep > 1 and not model_config.experts:
             raise InvalidValue("ep", self.ep, "1 for a dense model (no expert layers to split)")
         for name, value, divides, what in (("ep", self.ep, self.dp, "data-parallel ranks (EP splits DP)"),

@@ -15,7 +15,10 @@ s·b·h per entry: `_GatheredLinears`, and for an MoE MLP's router `_RouterOnGat
 routed copies, as without SP). The embedding is split
 by vocabulary rows, and the loss is computed without gathering the logits (vocab-parallel
 cross-entropy: max, sum of exponentials and target logit are each one all-reduce). An MoE MLP is
-split expert by expert behind the same f and g (`TensorParallelExperts`).
+split expert by expert behind the same f and g (`TensorParallelExperts`). Biases of column-parallel linears (Qwen2's
+on Q, K and V) are split with their outputs; a norm whose weight every rank holds but applies to only part of the
+data — under SP the rank's tokens, Qwen3's query and key head norms the rank's heads — has its gradient summed over
+the group (`TensorParallelNorm`).
 Twin: predict.training (4 collectives of s·b·h per layer, 6 with recompute, and SP's regathers). Held against the
 single-process model in tests/parallel/test_tensor.py.
 """
@@ -99,20 +102,26 @@ class _GatheredLinears(torch.autograd.Function):
     is all-gathered for the products, and gathered again in backward, so that only this rank's shard of the input is
     kept for backward rather than all t shards (Korthikanti et al. 2022 §4.2.2; Megatron-LM's
     LinearWithGradAccumulationAndAsyncCommunication) — one more all-gather of s·b·h per entry, in backward.
-    Backward: each weight's gradient from the regathered input, the input's gradient reduce-scattered."""
+    Backward: each weight's gradient from the regathered input, a bias's (None: no bias) the sum of its output's
+    gradient, the input's gradient reduce-scattered. `weights_and_biases`: each linear's weight, then its bias."""
 
     @staticmethod
-    def forward(ctx, x, tp: TensorGroup, *weights):
-        ctx.tp = tp
+    def forward(ctx, x, tp: TensorGroup, *weights_and_biases):
+        weights, biases = weights_and_biases[::2], weights_and_biases[1::2]
+        ctx.tp, ctx.biased = tp, [bias is not None for bias in biases]
         ctx.save_for_backward(x, *weights)
         full = tp.all_gather_sequence(x)
-        return tuple(F.linear(full, weight) for weight in weights)
+        return tuple(F.linear(full, weight, bias) for weight, bias in zip(weights, biases))
 
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
         input_grad = sum(grad @ weight for grad, weight in zip(grads, weights))
-        return (ctx.tp.reduce_scatter_sequence(input_grad), None, *_regathered_weight_grads(ctx.tp, x, grads))
+        weight_grads = _regathered_weight_grads(ctx.tp, x, grads)
+        bias_grads = [grad.reshape(-1, grad.shape[-1]).sum(0) if biased else None
+                      for grad, biased in zip(grads, ctx.biased)]
+        return (ctx.tp.reduce_scatter_sequence(input_grad), None,
+                *(g for pair in zip(weight_grads, bias_grads) for g in pair))
 
 
 def _regathered_weight_grads(tp: TensorGroup, shard: torch.Tensor, grads) -> list:
@@ -127,7 +136,7 @@ def _enter_linears(x, tp: TensorGroup, sequence_parallel: bool, *linears) -> tup
     hooks, ZeRO-3's gathers among them, run), or under SP the all-gather that keeps only the shard for backward
     (`_GatheredLinears`, on the weights as they are: ZeRO-3 gathers the entry as one unit, `gathered_entries`)."""
     if sequence_parallel:
-        return _GatheredLinears.apply(x, tp, *(linear.weight for linear in linears))
+        return _GatheredLinears.apply(x, tp, *(p for linear in linears for p in (linear.weight, linear.bias)))
     x = _Enter.apply(x, tp, False)
     return tuple(linear(x) for linear in linears)
 
@@ -146,19 +155,20 @@ class _Leave(torch.autograd.Function):
 
 
 class ColumnParallelLinear(nn.Module):
-    """y[..., rank's slice of outputs] = x W_slice^T; `source` rows [rank·out/t, (rank+1)·out/t)."""
+    """y[..., rank's slice of outputs] = x W_slice^T (+ b_slice); `source` rows [rank·out/t, (rank+1)·out/t)."""
 
     def __init__(self, source: nn.Linear, tp: TensorGroup, sequence_parallel: bool, enter: bool = True):
         super().__init__()
         self.tp, self.sp, self.enter = tp, sequence_parallel, enter
         self.weight = nn.Parameter(source.weight.detach().chunk(tp.size, dim=0)[tp.index].clone())
+        self.bias = None if source.bias is None else nn.Parameter(source.bias.detach().chunk(tp.size)[tp.index].clone())
 
     def forward(self, x):
         if not self.enter:  # behind a block's shared entry (_QKV, _GateUp)
-            return F.linear(x, self.weight)
+            return F.linear(x, self.weight, self.bias)
         if self.sp:
-            return _GatheredLinears.apply(x, self.tp, self.weight)[0]
-        return F.linear(_Enter.apply(x, self.tp, False), self.weight)
+            return _GatheredLinears.apply(x, self.tp, self.weight, self.bias)[0]
+        return F.linear(_Enter.apply(x, self.tp, False), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -321,11 +331,12 @@ def gathered_entries(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if isinstance(m, (_QKV, _GateUp, TensorParallelExperts)) and m.sp]
 
 
-class SequenceParallelNorm(nn.Module):
-    """A norm under sequence parallelism: it sees only this rank's tokens, so its weight's gradient is summed over
-    the TP group inside backward, every microbatch (Megatron sums it once a step, after the gradients' reduction) —
-    before ZeRO's hooks take it, which then see the whole gradient. Same weight, same name as the `RMSNorm` it
-    replaces."""
+class TensorParallelNorm(nn.Module):
+    """A norm every rank of the group holds whole but applies to part of the data — under sequence parallelism this
+    rank's tokens, as Qwen3's query and key head norms this rank's heads — so its weight's gradient is summed over
+    the TP group inside backward, every microbatch (Megatron sums the SP norms' once a step, after the gradients'
+    reduction) — before ZeRO's hooks take it, which then see the whole gradient. Same weight, same name as the
+    `RMSNorm` it replaces."""
 
     def __init__(self, source: nn.Module, tp: TensorGroup):
         super().__init__()
@@ -339,21 +350,19 @@ def parallelize_llama(model, tp: TensorGroup, sequence_parallel: bool = False):
     """Split an nn.llama.Llama in place across the tensor-parallel group (every rank starts from the
     same full weights) and return it; `model(ids)` then yields this rank's vocabulary slice of logits."""
     config, t = model.config, tp.size
-    if config.qkv_bias:
-        raise InvalidValue("qkv_bias", True, "False: tensor parallelism splits weights, not yet Qwen2's Q/K/V biases")
-    if config.qk_norm:  # each rank's heads would give only part of the head norms' gradient: not all-reduced yet
-        raise InvalidValue("qk_norm", True, "False: tensor parallelism does not sum Qwen3's head-norm gradients yet")
     for field, value in (("heads", config.heads), ("kv_heads", config.kv_heads), ("ffn_hidden", config.ffn_hidden),
                          ("expert_ffn_hidden", config.expert_ffn_hidden or config.ffn_hidden), ("vocab", config.vocab)):
         if value % t:
             raise InvalidValue("tp", t, f"a divisor of {field}={value}")
     if sequence_parallel:
-        model.norm = SequenceParallelNorm(model.norm, tp)
+        model.norm = TensorParallelNorm(model.norm, tp)
     for layer in model.layers:
         if sequence_parallel:
-            layer.input_layernorm = SequenceParallelNorm(layer.input_layernorm, tp)
-            layer.post_attention_layernorm = SequenceParallelNorm(layer.post_attention_layernorm, tp)
+            layer.input_layernorm = TensorParallelNorm(layer.input_layernorm, tp)
+            layer.post_attention_layernorm = TensorParallelNorm(layer.post_attention_layernorm, tp)
         attention, mlp = layer.self_attn, layer.mlp
+        if attention.q_norm is not None:  # Qwen3's: each rank normalises its own heads
+            attention.q_norm, attention.k_norm = (TensorParallelNorm(norm, tp) for norm in (attention.q_norm, attention.k_norm))
         attention.fused_qkv = _QKV(attention, tp, sequence_parallel)
         attention.o_proj = RowParallelLinear(attention.o_proj, tp, sequence_parallel)
         attention.heads, attention.kv_heads = attention.heads // t, attention.kv_heads // t

@@ -105,10 +105,13 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
     wire = {name: float(np.asarray(value).reshape(-1)[0]) for name, value in prediction.wire_bytes.items()
             if name != "expert_parallel" or config.ep > 1}
     wire["tensor_parallel"] += vocab_parallel_bytes(config, spec, head=config.pp == 1)  # rank 0: the first stage
-    if config.sequence_parallel:  # each rank's norm weights saw its tokens: their gradients summed over TP in every
-        # microbatch's backward (parallel.tensor.SequenceParallelNorm)
-        norms = (2 * first_layers + (config.pp == 1)) * spec.hidden * width  # rank 0's (the final on the last)
-        wire["tensor_parallel"] += config.microbatches * float(ring_all_reduce_bytes_per_rank(norms, config.tp))
+    # norm weights a rank applies to part of the data, their gradients summed over TP in every microbatch's backward
+    # (parallel.tensor.TensorParallelNorm): under SP every norm (its tokens; rank 0's, the final on the last stage),
+    # and Qwen3's query and key head norms (its heads)
+    norms = (2 * first_layers + (config.pp == 1)) * spec.hidden if config.sequence_parallel else 0
+    norms += 2 * first_layers * spec.attention_head_dim if spec.qk_norm and config.tp > 1 else 0
+    if norms:
+        wire["tensor_parallel"] += config.microbatches * float(ring_all_reduce_bytes_per_rank(norms * width, config.tp))
     v = config.interleave
     wire["pipeline_p2p"] *= (2 * v - 1) / (2 * v)  # the first stage sends no gradient back from virtual stage 0
     if config.pp > 1 and spec.tied_embeddings:  # the tied embedding's gradient, summed over the pipeline
