@@ -85,20 +85,24 @@ def test_a_template_kept_in_tokenizer_config_and_named_special_tokens(tmp_path):
     assert ours.eos_token_ids == {2, 4}
 
 
+def word_folder(folder, words: list[str], template: str):
+    """A tokenizer folder of whole words (ids 2.. in order; 0 unknown, 1 "</s>") with the chat template given."""
+    vocab = {word: index for index, word in enumerate(["[UNK]", "</s>", *words])}
+    backend = Backend(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                              "eos_token": "</s>", "chat_template": template}))
+
+
 def test_tools_and_earlier_tool_calls_reach_the_template_as_transformers_passes_them(tmp_path):
     """A template that shows the tools (by name) and an assistant's earlier calls: the same ids as transformers'."""
     from transformers import AutoTokenizer
 
-    vocab = {"[UNK]": 0, "</s>": 1, "tools": 2, "weather": 3, "clock": 4, "user": 5, "hi": 6, "assistant": 7,
-             "calls": 8, "tool": 9, "sunny": 10}
-    backend = Backend(models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.save(str(tmp_path / "tokenizer.json"))
-    template = ("{% if tools %}tools {% for t in tools %}{{ t['function']['name'] }} {% endfor %}{% endif %}"
+    word_folder(tmp_path, ["tools", "weather", "clock", "user", "hi", "assistant", "calls", "tool", "sunny"],
+                "{% if tools %}tools {% for t in tools %}{{ t['function']['name'] }} {% endfor %}{% endif %}"
                 "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% if m['tool_calls'] %}calls "
                 "{% for c in m['tool_calls'] %}{{ c['function']['name'] }} {% endfor %}{% endif %}{% endfor %}")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                                                "eos_token": "</s>", "chat_template": template}))
     tools = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
              for name in ("weather", "clock")]
     chat = [{"role": "user", "content": "hi"},
@@ -109,6 +113,27 @@ def test_tools_and_earlier_tool_calls_reach_the_template_as_transformers_passes_
     ours = Tokenizer(tmp_path).chat_ids(chat, add_generation_prompt=False, tools=tools)
     assert ours == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
     assert ours[:3] == [2, 3, 4] and 8 in ours
+
+
+def test_template_kwargs_reach_the_template_as_transformers_passes_them(tmp_path):
+    """Qwen3's switch (`enable_thinking`: false writes an empty think block after the generation prompt), passed as
+    transformers' apply_chat_template passes extra keywords: the same ids; names the renderer or the special tokens
+    use are refused by name."""
+    from transformers import AutoTokenizer
+
+    word_folder(tmp_path, ["user", "hi", "assistant", "think", "endthink"],
+                "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}"
+                "assistant {% if enable_thinking is defined and enable_thinking is false %}think endthink {% endif %}"
+                "{% endif %}")
+    chat, ours, theirs = [{"role": "user", "content": "hi"}], Tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    for kwargs in ({}, {"enable_thinking": True}, {"enable_thinking": False}):
+        expected = theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, **kwargs)
+        got = ours.chat_ids(chat, template_kwargs=kwargs)
+        assert got == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+        assert (got[-2:] == [5, 6]) == (kwargs == {"enable_thinking": False})
+    for name in ("add_generation_prompt", "tools", "eos_token", "not a name"):
+        with pytest.raises(InvalidValue, match="chat_template_kwargs"):
+            ours.chat_ids(chat, template_kwargs={name: False})
 
 
 def test_refuses_a_folder_without_tokenizer_json_or_a_chat_without_template(tmp_path):

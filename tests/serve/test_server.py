@@ -1,6 +1,7 @@
 """The HTTP server with the official `openai` client: completions and chat, streamed and not, errors,
 metrics, and a client that disconnects."""
 
+import copy
 import json
 import re
 import time
@@ -309,6 +310,30 @@ def test_an_api_key_guards_the_v1_routes_and_the_served_name_is_the_models(serve
         assert reply.model == "smol" and reply.choices[0].message.content == "The capital of France is Paris."
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=2)
+
+
+def test_chat_template_kwargs_reach_the_template(server):
+    """vLLM's `chat_template_kwargs` (Qwen3's {"enable_thinking": false}): on a template that reads it, the prompt
+    grows by the empty think block; a name the renderer uses is a 400 naming the field."""
+    url, engine, tokenizer = server
+    thinking = copy.copy(tokenizer)
+    thinking.chat_template = tokenizer.chat_template + (
+        "{%- if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}"
+        "<think>\n\n</think>\n\n{%- endif %}")
+    with ServerThread(create_app(engine, thinking, "SmolLM2-135M-Instruct", EngineMetrics())) as qwen_like:
+        client = openai.OpenAI(base_url=qwen_like + "/v1", api_key="none", max_retries=0, timeout=60)
+        prompt_tokens = []
+        for kwargs in (None, {"enable_thinking": True}, {"enable_thinking": False}):
+            extra = {} if kwargs is None else {"extra_body": {"chat_template_kwargs": kwargs}}
+            reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=2,
+                                                   temperature=0, **extra)
+            prompt_tokens.append(reply.usage.prompt_tokens)
+        without = len(tokenizer.chat_ids(QUESTION))
+        assert prompt_tokens == [without, without, len(thinking.chat_ids(QUESTION, template_kwargs={
+            "enable_thinking": False}))] and prompt_tokens[2] > without + 4
+        refused_leaving_nothing((qwen_like, engine, thinking), "/v1/chat/completions", {
+            "messages": QUESTION, "max_tokens": 2, "chat_template_kwargs": {"add_generation_prompt": False}},
+            "chat_template_kwargs")
 
 
 def test_auto_tool_choice_needs_a_server_with_a_parser(server):

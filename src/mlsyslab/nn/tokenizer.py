@@ -15,6 +15,7 @@ and emit the difference).
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -50,17 +51,25 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
-                 ) -> list[int]:
-        """The prompt ids of a chat rendered with the model's own template (and the tools, where it shows them)."""
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                 template_kwargs: dict | None = None) -> list[int]:
+        """The prompt ids of a chat rendered with the model's own template (and the tools, where it shows them).
+        template_kwargs: more variables for the template, as transformers' apply_chat_template takes them (Qwen3's
+        `enable_thinking`); none may replace the renderer's own arguments or the special tokens."""
         if not self.chat_template:
             raise InvalidValue("messages", "chat", "a model whose tokenizer has a chat template")
+        render = self.prepare_chat()
+        reserved = {name for name, parameter in inspect.signature(render).parameters.items()
+                    if parameter.kind != parameter.VAR_KEYWORD} | set(self.special_tokens)
+        for key in template_kwargs or {}:
+            if not isinstance(key, str) or not key.isidentifier() or key in reserved:
+                raise InvalidValue("chat_template_kwargs", key, "a template variable name other than "
+                                   + ", ".join(sorted(reserved)))
         for index, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
                 raise InvalidValue(f"messages[{index}]", message, "{'role': str, 'content': str}")
-        render = self.prepare_chat()
         rendered, _ = render([messages], tools=tools, chat_template=self.chat_template,
-                             add_generation_prompt=add_generation_prompt, **self.special_tokens)
+                             add_generation_prompt=add_generation_prompt, **self.special_tokens, **(template_kwargs or {}))
         # the template writes the special tokens it wants (BOS): none added again, as transformers' apply_chat_template
         return self.backend.encode(rendered[0], add_special_tokens=False).ids
 

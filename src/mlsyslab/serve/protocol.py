@@ -5,7 +5,8 @@ ones are ignored, as OpenAI-compatible servers do); fields we cannot honour (suf
 with a 400 that names them rather than silently ignored. Tools with a named tool_choice or "required" are calls
 decoded under a grammar (`serve.tools`); with "auto", calls the model chose to write (`serve.tool_parser`).
 Extensions shared with vLLM: top_k, min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids,
-skip_special_tokens (false: the reply's text shows its special tokens) and `structured_outputs`.
+skip_special_tokens (false: the reply's text shows its special tokens), `structured_outputs`, and for chat
+`chat_template_kwargs` (more variables for the model's chat template: Qwen3's {"enable_thinking": false}).
 
 Structured outputs (`serve.grammar`), on both endpoints: OpenAI's `response_format` — {"type": "json_object"}
 or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}} — or vLLM's `structured_outputs` with
@@ -201,6 +202,7 @@ class ChatRequest(CommonRequest):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
     functions: list | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def tool_calls(self) -> tuple[dict[str, dict], ToolCalls | None]:
         """The tools' parameter schemas by name, and how replies become calls (None: replies are text)."""
@@ -239,7 +241,7 @@ class ChatRequest(CommonRequest):
         messages = [chat_message(m, index) for index, m in enumerate(self.messages)]
         if not messages:
             raise InvalidValue("messages", [], "at least one message")
-        return tokenizer.chat_ids(messages, tools=self.tools or None)
+        return tokenizer.chat_ids(messages, tools=self.tools or None, template_kwargs=self.chat_template_kwargs)
 
 
 def chat_message(message: dict, index: int) -> dict:
