@@ -53,6 +53,7 @@ def test_generate_under_a_json_schema_or_a_regex(capsys, monkeypatch, tmp_path):
                                          (["serve", "--decode-steps", "0"], "--decode-steps"),
                                          (["serve", "--speculative-tokens", "-1"], "--speculative-tokens"),
                                          (["serve", "--tool-call-parser", "pythonic"], "--tool-call-parser"),
+                                         (["serve", "--reasoning-parser", "granite"], "--reasoning-parser"),
                                          (["serve", "--served-model-name", " "], "--served-model-name"),
                                          (["generate", "hi", "--json-schema", "{not json"], "--json-schema"),
                                          (["generate", "hi", "--json-schema", "[1]"], "--json-schema"),
@@ -77,13 +78,14 @@ def free_port() -> int:
 def test_serve_answers_the_openai_client():
     """`mlsys serve` as deployed: its own process (and the engine's); startup is timed in benchmarks/serve.py. With
     speculative decoding on: the greedy answer is the same, and a reply that copies its prompt keeps drafts. With a
-    tool-call parser: tools under OpenAI's default tool_choice ("auto") are served (the model answers in text). Its
+    tool-call parser: tools under OpenAI's default tool_choice ("auto") are served (the model answers in text); with a
+    reasoning parser, a reply without a think block is all content. Its
     served name and API key (from MLSYS_API_KEY) are asked for."""
     port = free_port()
     start = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-m", "mlsyslab", "serve", "--port", str(port), "--threads", "2",
                                 "--kv-cache-gb", "0.2", "--speculative-tokens", "4", "--tool-call-parser", "hermes",
-                                "--served-model-name", "smol"],
+                                "--served-model-name", "smol", "--reasoning-parser", "qwen3"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "MLSYS_API_KEY": "secret"})
     try:
         url = f"http://127.0.0.1:{port}"
@@ -100,6 +102,7 @@ def test_serve_answers_the_openai_client():
         reply = client.chat.completions.create(model="smol", max_tokens=20, temperature=0,
                                                messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert reply.choices[0].message.content == "The capital of France is Paris."
+        assert "reasoning_content" not in (reply.choices[0].message.model_extra or {})  # no think block written
         clock = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
         tooled = client.chat.completions.create(model="default", max_tokens=20, temperature=0, tools=[clock],
                                                 messages=[{"role": "user", "content": "What is the capital of France?"}])

@@ -336,6 +336,34 @@ def test_chat_template_kwargs_reach_the_template(server):
             "chat_template_kwargs")
 
 
+@pytest.mark.parametrize("parser, opened", [("qwen3", "<think>"), ("deepseek_r1", "")])
+def test_a_reasoning_parser_returns_the_think_block_apart_streamed_and_not(server, parser, opened):
+    """As `mlsys serve --reasoning-parser`: a reply written as a reasoning model writes it (forced here by a regex:
+    SmolLM2 does not reason) comes back as reasoning_content and content, streamed as not; with tools under "auto" the
+    answer after the block is what the tool-call parser reads."""
+    url, engine, tokenizer = server
+    reply_regex = opened + "[A-Za-z ]{5,40}</think>\n\nParis\\."
+    with ServerThread(create_app(engine, tokenizer, "SmolLM2-135M-Instruct", EngineMetrics(), "hermes",
+                                 reasoning_parser=parser)) as thinking:
+        client = openai.OpenAI(base_url=thinking + "/v1", api_key="none", max_retries=0, timeout=60)
+        ask = dict(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=40, temperature=0,
+                   extra_body={"structured_outputs": {"regex": reply_regex}})
+        whole = client.chat.completions.create(**ask).choices[0]
+        thought = whole.message.model_extra["reasoning_content"]
+        assert re.fullmatch("[A-Za-z ]{5,40}", thought) and whole.message.content == "\n\nParis."
+        chunks = list(client.chat.completions.create(**ask, stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == thought
+        assert "".join(d.content or "" for d in deltas) == "\n\nParis."
+        tooled = client.chat.completions.create(**ask, tools=[WEATHER]).choices[0]  # "auto": no call in the answer
+        assert tooled.message.model_extra["reasoning_content"] == thought and tooled.message.content == "\n\nParis."
+        plain = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=20,
+                                               temperature=0).choices[0].message
+        sentence = "The capital of France is Paris."  # no block written: answer (qwen3), or reasoning cut short
+        expected = (None, sentence) if parser == "qwen3" else (sentence, "")
+        assert ((plain.model_extra or {}).get("reasoning_content"), plain.content) == expected
+
+
 def test_auto_tool_choice_needs_a_server_with_a_parser(server):
     url, engine, tokenizer = server
     without = create_app(engine, tokenizer, "SmolLM2-135M-Instruct", EngineMetrics())

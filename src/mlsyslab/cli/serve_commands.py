@@ -46,6 +46,9 @@ def serve_command(
         "--tool-call-parser", help="read the tool calls a model writes under tool_choice \"auto\" (OpenAI's default "
         "with tools) in its family's syntax: hermes (Hermes 2 Pro, SmolLM2/3), llama3_json (Llama 3.1-3.3) or "
         "mistral; default: \"auto\" is refused")] = None,
+    reasoning_parser: Annotated[Optional[str], typer.Option(
+        "--reasoning-parser", help="return a reasoning model's think block as reasoning_content: deepseek_r1 "
+        "(DeepSeek-R1 and its distills: the template opens the block) or qwen3 (Qwen3, QwQ: the model writes it)")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(
         "--served-model-name", help="the name clients ask for (default: the model's; \"default\" is always "
         "accepted)")] = None,
@@ -57,12 +60,15 @@ def serve_command(
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     import uvicorn
 
+    from mlsyslab.serve import reasoning_parser as reasoning
     from mlsyslab.serve.server import build_server
     from mlsyslab.serve.tool_parser import PARSERS
 
     check_range("--port", port, 0, 65535)
     if tool_call_parser not in (None, *PARSERS):
         raise InvalidValue("--tool-call-parser", tool_call_parser, f"one of {', '.join(PARSERS)}")
+    if reasoning_parser not in (None, *reasoning.PARSERS):
+        raise InvalidValue("--reasoning-parser", reasoning_parser, f"one of {', '.join(reasoning.PARSERS)}")
     config = engine_config(kv_cache_gb, block_size, max_batched_tokens, max_running, max_waiting, prefix_cache,
                            decode_steps, speculative_tokens)
     start = time.perf_counter()
@@ -71,7 +77,7 @@ def serve_command(
     load_model, load_tokenizer, name = loaders(model, dtype, threads, cache_dir)
     name = served_model_name or name
     app, engine = build_server(load_model, load_tokenizer, name, config, threads or serving_threads(),
-                               tool_call_parser, api_key)
+                               tool_call_parser, api_key, reasoning_parser)
     typer.echo(f"serving {name} ({dtype}, {engine.stats.kv_blocks_total} KV blocks of {block_size} tokens) "
                f"at http://{host}:{port}/v1 — ready in {time.perf_counter() - start:.1f} s", err=True)
     try:

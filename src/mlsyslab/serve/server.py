@@ -20,7 +20,7 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mlsyslab.errors import InvalidValue, MlsysError
 from mlsyslab.nn.tokenizer import Tokenizer
+from mlsyslab.serve import reasoning_parser as reasoning
 from mlsyslab.serve.engine_process import EngineProcess
 from mlsyslab.serve.metrics import EngineMetrics
 from mlsyslab.serve.output import RequestOutput
@@ -49,26 +50,31 @@ from mlsyslab.serve.tools import tool_call
 
 
 def build_server(model, tokenizer, model_name: str, config, threads: int | None = None,
-                 tool_parser: str | None = None, api_key: str | None = None) -> tuple[FastAPI, EngineProcess]:
+                 tool_parser: str | None = None, api_key: str | None = None, reasoning_parser: str | None = None
+                 ) -> tuple[FastAPI, EngineProcess]:
     """An engine process for `model` with `config` (`EngineConfig`) and `threads` torch threads (None:
     torch's default), started, and the app serving it (reading tool_choice "auto" replies with `tool_parser`,
-    one of `serve.tool_parser.PARSERS`; None: "auto" is refused), asking for `api_key` if given. `model` and
+    one of `serve.tool_parser.PARSERS`; None: "auto" is refused; chat replies' think blocks with `reasoning_parser`,
+    one of `serve.reasoning_parser.PARSERS`), asking for `api_key` if given. `model` and
     `tokenizer` are a loaded `Llama` and `Tokenizer`, or their loaders (`nn.pretrained.loaders`): then the engine
     process loads its own while this one loads the tokenizer and the chat template renderer, on the two cores at
     once (`mlsys serve` started in 10-11 s one after the other on a 2-core AVX2 host, 2026-11-24)."""
     if tool_parser not in (None, *PARSERS):
         raise InvalidValue("tool_parser", tool_parser, f"null or one of {', '.join(PARSERS)}")
+    if reasoning_parser not in (None, *reasoning.PARSERS):
+        raise InvalidValue("reasoning_parser", reasoning_parser, f"null or one of {', '.join(reasoning.PARSERS)}")
     metrics = EngineMetrics()
     engine = EngineProcess(model, tokenizer, config, threads, on_finish=metrics.observe)
     tokenizer = tokenizer() if callable(tokenizer) else tokenizer
     tokenizer.prepare_chat()
     engine.wait_started()
     metrics.watch(lambda: engine.stats)
-    return create_app(engine, tokenizer, model_name, metrics, tool_parser, api_key), engine
+    return create_app(engine, tokenizer, model_name, metrics, tool_parser, api_key, reasoning_parser), engine
 
 
 def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, metrics: EngineMetrics,
-               tool_parser: str | None = None, api_key: str | None = None) -> FastAPI:
+               tool_parser: str | None = None, api_key: str | None = None, reasoning_parser: str | None = None
+               ) -> FastAPI:
     """The FastAPI app serving `engine` under the model name `model_name`. With `api_key`, every /v1 route asks for
     it as OpenAI's clients send it (`Authorization: Bearer <key>`; a 401 otherwise, as vLLM's `--api-key`);
     /health and /metrics stay open to probes and scrapers."""
@@ -204,14 +210,24 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
         except MlsysError as error:
             return error_for(error)
         parser = PARSERS[tool_parser] if tools is not None and tools.auto else None  # "auto": replies read for calls
+        # think blocks, where the model decides what it writes (a named or "required" tool choice decodes calls only)
+        thinker = reasoning.PARSERS[reasoning_parser] if reasoning_parser and (tools is None or tools.auto) else None
         names = set(schemas)
         replies: dict[int, str] = {}  # each choice's text so far, where replies are tool calls
         streams: dict[int, ToolCallStream] = {}  # each choice's reply so far, where the model may write calls
+        thoughts: dict[int, reasoning.ReasoningStream] = {}  # each choice's reply so far, where it may reason
 
         def logprobs_of(sampled, call):
             return chat_logprobs(tokenizer, sampled) if call.params.logprobs is not None else None
 
         def render_delta(delta, index, call):
+            if thinker is None:
+                return answer_deltas(delta, index, call)
+            thought, answer = thoughts.setdefault(index, thinker.stream()).add(delta.text, bool(delta.finish_reason))
+            choices = [{"delta": {"reasoning_content": thought}, "logprobs": None, "finish_reason": None}] if thought else []
+            return choices + answer_deltas(replace(delta, text=answer), index, call)
+
+        def answer_deltas(delta, index, call):
             if parser is not None:
                 return parsed_deltas(delta, index, call)
             if tools is not None:
@@ -280,6 +296,15 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
             return {"role": "assistant", "content": text, "tool_calls": []}, reason
 
         def render_output(output, call):
+            if thinker is not None:
+                thought, answer = thinker.split(output.text)
+                rendered = render_answer(replace(output, text=answer), call)
+                if thought is not None:
+                    rendered["message"]["reasoning_content"] = thought
+                return rendered
+            return render_answer(output, call)
+
+        def render_answer(output, call):
             if parser is not None:
                 content, calls = parser.parse(output.text, names)
                 return {"message": {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})},
