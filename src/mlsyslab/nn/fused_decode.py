@@ -60,8 +60,8 @@ class FusedDecode:
         # Qwen2's q|k|v biases, one per layer, and Qwen3's q and k head norms, two per layer (none for Llama)
         self.qkv_biases = [layer.self_attn.fused_qkv.bias for layer in model.layers
                            if layer.self_attn.fused_qkv.bias is not None]
-        self.qk_norms = [norm.weight for layer in model.layers for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm)
-                         if norm is not None]
+        self.qk_norms = [norm.weight for layer in model.layers
+                         for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm) if norm is not None]
         # the rope tables of every position, once (as `rope_cos_sin` computes them each step: elementwise,
         # so a row here is bit-equal to that step's), [max_seq, head_dim] in the model's dtype
         dtype = model.embed_tokens.weight.dtype
@@ -98,8 +98,8 @@ class FusedDecode:
             return logits, tokens[0]
         hidden = ops.decode_layers(
             model.embed_tokens(input_ids), self.cos[positions], self.sin[positions], self.norms, plan.weights,
-            plan.kernels, self.out_features, self.qkv_biases, self.qk_norms, attention.k_cache, attention.v_cache, attention.slot_mapping,
-            attention.decode_tables, attention.decode_lengths, config.heads, config.rms_norm_eps)
+            plan.kernels, self.out_features, self.qkv_biases, self.qk_norms, attention.k_cache, attention.v_cache,
+            attention.slot_mapping, attention.decode_tables, attention.decode_lengths, config.heads, config.rms_norm_eps)
         return model.lm_head(model.norm(hidden[logits_rows])), None
 
     def runs_ahead(self, rows: int) -> bool:
@@ -126,8 +126,9 @@ class FusedDecode:
         plan = self.plan(len(input_ids))
         return cpu_kernels.load().streamed_decode(
             model.embed_tokens.weight, input_ids, positions, self.cos, self.sin, self.norms, plan.weights,
-            self.qkv_biases, self.qk_norms, model.norm.weight, plan.head_weight, config.vocab, k_cache, v_cache, slots, tables, lengths, logits_rows,
-            temperature, uniform, config.heads, config.ffn_hidden, config.rms_norm_eps, writes_first)
+            self.qkv_biases, self.qk_norms, model.norm.weight, plan.head_weight, config.vocab, k_cache, v_cache, slots,
+            tables, lengths, logits_rows, temperature, uniform, config.heads, config.ffn_hidden, config.rms_norm_eps,
+            writes_first)
 
     def plan(self, rows: int) -> StepPlan:
         """The kernels and weights of a step of `rows` tokens (computed once per row count)."""
