@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from mlsyslab.errors import InvalidValue
+from mlsyslab.nn.llama import HF_FAMILIES
 
 LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -46,13 +47,6 @@ LAYER_NAMES = {
 }
 PHI3_LAYER_NAMES = {**LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-# general.architecture -> the config.json fields that name the HF model it converts to
-ARCHITECTURES = {
-    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False},
-    "phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3"},
-    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False},
-    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False},
-}
 
 
 def cached_hf_folder(gguf_path: str | Path, cache_dir: str | Path) -> Path:
@@ -87,8 +81,8 @@ def convert_gguf(gguf_path: str | Path, folder: str | Path) -> None:
     metadata = {name: field.contents() for name, field in reader.fields.items()
                 if not name.startswith("tokenizer.ggml.") or name.endswith("_id")}
     architecture = metadata.get("general.architecture")
-    if architecture not in ARCHITECTURES:
-        raise InvalidValue("general.architecture", architecture, " or ".join(ARCHITECTURES), f"in {gguf_path}")
+    if architecture not in HF_FAMILIES:  # llama.cpp's architecture names are the HF model_types here
+        raise InvalidValue("general.architecture", architecture, " or ".join(HF_FAMILIES), f"in {gguf_path}")
     config = hf_config_from_gguf(metadata, architecture)
     tensors = {}
     for tensor in reader.tensors:
@@ -124,7 +118,7 @@ def hf_config_from_gguf(metadata: dict, architecture: str = "llama") -> dict:
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     head_dim = int(metadata.get(f"{architecture}.attention.key_length") or key("rope.dimension_count", hidden // heads))
     config = {
-        **ARCHITECTURES[architecture],
+        **HF_FAMILIES[architecture],
         "vocab_size": int(key("vocab_size", None) or len(metadata.get("tokenizer.ggml.tokens", []))),
         "hidden_size": hidden, "num_hidden_layers": int(key("block_count")), "num_attention_heads": heads,
         "num_key_value_heads": int(key("attention.head_count_kv", heads)), "head_dim": head_dim,

@@ -40,6 +40,15 @@ from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.rope import RopeScaling, apply_rope, rope_cos_sin, rope_inverse_frequencies
 
 
+# model_type -> the config.json fields that name the Hugging Face model of each family this decoder is
+HF_FAMILIES = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False},
+    "phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3"},
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False},
+}
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     """Shape of a Llama-architecture decoder; every field as the model's config file states it."""
@@ -114,12 +123,16 @@ class LlamaConfig:
         moe = None if not self.experts else MixtureOfExperts(
             experts=self.experts, experts_per_token=self.experts_per_token, expert_ffn_hidden=self.expert_hidden,
             dense_layers=self.dense_layers)
-        family = "qwen3" if self.qk_norm else "qwen2" if self.qkv_bias else "llama"
-        return Model(name=name, source=source, family=family, hidden=self.hidden, layers=self.layers,
+        return Model(name=name, source=source, family=self.family, hidden=self.hidden, layers=self.layers,
                      qkv_bias=self.qkv_bias, qk_norm=self.qk_norm,
                      heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim, ffn_hidden=self.ffn_hidden,
                      vocab=self.vocab, tied_embeddings=self.tied_embeddings, max_seq=self.max_seq,
                      published_params=parameters, moe=moe)
+
+    @property
+    def family(self) -> str:
+        """The Hugging Face family this shape is written as: Qwen3 with head norms, Qwen2 with q/k/v biases."""
+        return "qwen3" if self.qk_norm else "qwen2" if self.qkv_bias else "llama"
 
     @property
     def expert_hidden(self) -> int:
@@ -169,13 +182,8 @@ class LlamaConfig:
             raise InvalidValue("experts", self.experts, "0: HF's LlamaForCausalLM is dense")
         if self.qkv_bias and self.qk_norm:
             raise InvalidValue("qk_norm", True, "False beside qkv_bias: no Hugging Face model has both")
-        family = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
-                  "mlp_bias": False}
-        if self.qkv_bias or self.qk_norm:
-            family = {"architectures": ["Qwen3ForCausalLM" if self.qk_norm else "Qwen2ForCausalLM"],
-                      "model_type": "qwen3" if self.qk_norm else "qwen2", "use_sliding_window": False}
         return {
-            **family, "vocab_size": self.vocab,
+            **HF_FAMILIES[self.family], "vocab_size": self.vocab,
             "hidden_size": self.hidden, "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
             "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim, "intermediate_size": self.ffn_hidden,
             "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps, "hidden_act": "silu",
