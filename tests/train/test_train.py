@@ -188,16 +188,21 @@ def single_process_losses(tiny):
     return _train_json(tiny, "--nproc", "1", "--steps", "3")["result"]["losses"]
 
 
-def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny, single_process_losses, tmp_path):
+@pytest.mark.parametrize("layouts", [
+    pytest.param([["--tp", "2"], ["--tp", "2", "--sequence-parallel"], ["--pp", "2", "--microbatches", "4", "--timeline"],
+                  ["--cp", "2"]], id="2-ranks"),
+    pytest.param([["--nproc", "4", "--cp", "2", "--tp", "2", "--sequence-parallel"],  # CI time: the same compositions'
+                  ["--nproc", "4", "--cp", "2", "--pp", "2", "--microbatches", "4", "--timeline"]],  # losses are also
+                 marks=pytest.mark.slow, id="4-ranks"),  # in tests/parallel/test_mesh.py
+])
+def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny, single_process_losses, tmp_path, layouts):
     """--tp 2 (with and without sequence parallelism), --pp 2 (tied embeddings across the stages), --cp 2, and --cp 2
-    with --tp 2 (and sequence parallelism) or --pp 2 reproduce one process's losses; TP (with SP, the norms' summed gradients too), PP and CP bytes on the wire equal
-    the prediction, and PP reports its executed bubble and draws it."""
+    with --tp 2 (and sequence parallelism) or --pp 2 reproduce one process's losses; TP (with SP, the norms' summed
+    gradients too), PP and CP bytes on the wire equal the prediction, and PP reports its executed bubble and draws it."""
     reference = single_process_losses
     chart = tmp_path / "timeline.png"
-    for args in (["--tp", "2"], ["--tp", "2", "--sequence-parallel"], ["--pp", "2", "--microbatches", "4", "--timeline",
-                                                                        str(chart)], ["--cp", "2"],
-                 ["--nproc", "4", "--cp", "2", "--tp", "2", "--sequence-parallel"],
-                 ["--nproc", "4", "--cp", "2", "--pp", "2", "--microbatches", "4", "--timeline", str(chart)]):
+    for layout in layouts:
+        args = layout + [str(chart)] if layout[-1] == "--timeline" else layout
         report = _train_json(tiny, "--steps", "3", *args)
         assert report["result"]["losses"] == pytest.approx(reference, rel=1e-5), args
         wire = report["predicted_vs_measured"]["wire_bytes_per_step"]
