@@ -1,6 +1,7 @@
 """Tensor parallelism on this machine: our Megatron-style TP beside torch's DTensor TP, same model, same run.
 
     python benchmarks/tensor.py             # ~1 min on 2 cores; writes benchmarks/results/tensor.json
+    python benchmarks/tensor.py --sequence-parallel   # both with sequence parallelism; results/tensor_sp.json
 
 TP = 2 spawned ranks (gloo, one thread each), two 4-layer Llamas in fp32 — "small" (hidden 256,
 8 heads / 4 KV heads of 32, FFN 768, vocab 1024, batch 4 x 128 tokens: per-op overhead shows) and
@@ -13,6 +14,9 @@ one training step = forward, loss, backward:
   Llama — `ColwiseParallel` for q/k/v and gate/up, `RowwiseParallel` for o and down, the embedding
   `RowwiseParallel(input_layouts=Replicate())`, the head `ColwiseParallel(output_layouts=Shard(-1))`
   and the loss under `loss_parallel()`; attention's head counts divided by TP as in torch's tutorial.
+With `--sequence-parallel` both split the activations between the blocks along the sequence (Korthikanti et al.):
+ours `parallelize_llama(..., sequence_parallel=True)`, torch torchtitan's SP plan (`SequenceParallel` norms,
+`PrepareModuleInput` gathering each block's input, o, down and the embedding returning sequence shards).
 Both start from the same weights; their first losses must agree (printed). The time is the slowest
 rank's, median (best) of 10 steps after 3 warm-ups, the three alternating step by step.
 
@@ -33,7 +37,14 @@ import torch.nn.functional as F
 from record import ROOT, OtherProcesses, machine, save  # benchmarks/record.py
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from torch.utils.flop_counter import FlopCounterMode
 
 from mlsyslab.comm.launch import spawn
@@ -41,6 +52,7 @@ from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.parallel.tensor import TensorGroup, parallelize_llama, vocab_parallel_cross_entropy
 
 RESULTS = ROOT / "benchmarks" / "results" / "tensor.json"
+RESULTS_SP = ROOT / "benchmarks" / "results" / "tensor_sp.json"
 WHO = ("ours", "ours on gloo", "torch")  # ours with its shared-memory all-reduce, ours on the process group, DTensor's
 KEYS = {"ours": "ours", "ours on gloo": "ours_gloo", "torch": "torch"}
 CONFIGS = {  # name: (model, sequences, tokens each)
@@ -51,32 +63,49 @@ CONFIGS = {  # name: (model, sequences, tokens each)
 }
 
 
-def dtensor_llama(model: Llama, tp: int) -> Llama:
+def dtensor_llama(model: Llama, tp: int, sequence_parallel: bool) -> Llama:
+    """torchtitan's Llama plan; with `sequence_parallel` its SP form: the norms `SequenceParallel`, the blocks'
+    inputs gathered by `PrepareModuleInput` and their outputs (o, down, the embedding) sequence-sharded."""
     mesh = init_device_mesh("cpu", (tp,))
+    between = Shard(1) if sequence_parallel else Replicate()  # the activations between the blocks
     for layer in model.layers:
-        parallelize_module(layer, mesh, {
-            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(output_layouts=between),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(output_layouts=between)}
+        if sequence_parallel:
+            plan |= {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+                     "self_attn": gather(4), "mlp": gather(1)}
+        parallelize_module(layer, mesh, plan)
         layer.self_attn.heads //= tp
         layer.self_attn.kv_heads //= tp
     parallelize_module(model, mesh, {
-        "embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "lm_head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)}
+        | ({"norm": SequenceParallel()} if sequence_parallel else {}))
     return model
 
 
-def run_rank(rank, warmups: int, steps: int):
-    return {name: run_config(rank, config, batch, seq, warmups, steps) for name, (config, batch, seq) in CONFIGS.items()}
+def gather(arguments: int) -> PrepareModuleInput:
+    """A block's input x (its first of `arguments` positional arguments; the rest are not tensors) from sequence shards
+    to the whole sequence on every rank."""
+    unchanged = (None,) * (arguments - 1)
+    return PrepareModuleInput(input_layouts=(Shard(1), *unchanged), desired_input_layouts=(Replicate(), *unchanged))
 
 
-def run_config(rank, config: LlamaConfig, batch: int, seq: int, warmups: int, steps: int) -> dict:
+def run_rank(rank, warmups: int, steps: int, sequence_parallel: bool):
+    return {name: run_config(rank, config, batch, seq, warmups, steps, sequence_parallel)
+            for name, (config, batch, seq) in CONFIGS.items()}
+
+
+def run_config(rank, config: LlamaConfig, batch: int, seq: int, warmups: int, steps: int, sequence_parallel: bool
+               ) -> dict:
     ids = torch.randint(0, config.vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
     inputs, targets = ids[:, :-1], ids[:, 1:]
     fresh = lambda: Llama(config).initialize(generator=torch.Generator().manual_seed(0))  # noqa: E731
     groups = {"ours": TensorGroup(rank), "ours on gloo": TensorGroup(rank, use_shared_memory=False)}
-    models = {who: parallelize_llama(fresh(), group) for who, group in groups.items()}
-    theirs = dtensor_llama(fresh(), rank.world_size)
+    models = {who: parallelize_llama(fresh(), group, sequence_parallel) for who, group in groups.items()}
+    theirs = dtensor_llama(fresh(), rank.world_size, sequence_parallel)
 
     def ours_step(who):
         loss = vocab_parallel_cross_entropy(models[who](inputs), targets, groups[who])
@@ -129,15 +158,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmups", type=int, default=3)
-    parser.add_argument("--output", default=RESULTS)
+    parser.add_argument("--sequence-parallel", action="store_true", help="both TPs with sequence parallelism")
+    parser.add_argument("--output", default=None, help=f"default {RESULTS.name}, or {RESULTS_SP.name} with SP")
     args = parser.parse_args()
+    args.output = args.output or (RESULTS_SP if args.sequence_parallel else RESULTS)
     out = {**machine(torch=torch.__version__), "workload": vars(args) | {"output": str(args.output)}}
     others = OtherProcesses()
-    ranks = spawn(run_rank, 2, args.warmups, args.steps, timeout_s=1800)
+    ranks = spawn(run_rank, 2, args.warmups, args.steps, args.sequence_parallel, timeout_s=1800)
     share, out["rows"] = others.share(), []
     for name, (_, batch, seq) in CONFIGS.items():
         slowest = {who: [max(r[name]["times"][who][i] for r in ranks) for i in range(args.steps)] for who in WHO}
-        row = {"model": name, "batch": batch, "seq": seq, "tp": 2, "others_cpu_share": share}
+        row = {"model": name, "batch": batch, "seq": seq, "tp": 2, "sequence_parallel": args.sequence_parallel,
+               "others_cpu_share": share}
         for who in WHO:
             key = KEYS[who]
             row |= {f"{key}_median_s": statistics.median(slowest[who]), f"{key}_best_s": min(slowest[who]),
@@ -153,7 +185,7 @@ def main() -> None:
 
 
 def print_table(out: dict) -> None:
-    print(f"# tensor parallel, {out['date_utc']}, TP=2")
+    print(f"# tensor parallel, {out['date_utc']}, TP=2{' with SP' if out['rows'][0]['sequence_parallel'] else ''}")
     print("| model | ours median (best) | ours on gloo | DTensor | DTensor / ours | DTensor / ours on gloo | matmul floor "
           "| DTensor / floor | first losses |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
