@@ -40,6 +40,8 @@ def test_ids_text_vocabulary_and_eos_equal_transformers(pair):
     assert ours.vocab_size == len(theirs)
     assert ours.eos_token_ids == {theirs.eos_token_id}
     assert ours.token_text(2) == theirs.decode([2])
+    ids = ours.encode(TEXTS[3])
+    assert [ours.token_string(i) for i in ids] == theirs.convert_ids_to_tokens(ids)
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])

@@ -112,13 +112,61 @@ def test_skip_special_tokens_false_shows_them_in_the_text(client):
 
 
 def test_models_health_metrics(client, server):
+    """After a chat, idle: the KV blocks in use are the ones the prefix cache keeps (its prompt's two full blocks)."""
+    url, engine, _ = server
     assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
-    assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
-    metrics = httpx.get(server[0] + "/metrics").text
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=1)
+    wait_until_idle(engine)
+    metrics = httpx.get(url + "/metrics").text
     for name in ("mlsys_requests_waiting", "mlsys_kv_blocks_used", "mlsys_prefix_cache_hit_rate",
                  "mlsys_time_to_first_token_seconds_bucket", "mlsys_time_per_output_token_seconds_count",
                  "mlsys_spec_accepted_tokens"):
         assert name in metrics
+    cached = engine.check().prefix_cache_blocks
+    assert gauge(url, "mlsys_kv_blocks_used") == gauge(url, "mlsys_kv_blocks_prefix_cache") == cached >= 2
+
+
+def test_a_model_is_retrieved_by_its_name(client):
+    """OpenAI's GET /v1/models/{model} (the client's `models.retrieve`): the card /v1/models lists, or a 404."""
+    assert client.models.retrieve("SmolLM2-135M-Instruct") == client.models.list().data[0]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4")
+    assert missing.value.body["code"] == "model_not_found"
+
+
+def test_tokenize_gives_the_ids_the_endpoints_run_and_detokenize_their_text(client, server):
+    """vLLM's /tokenize counts a prompt as the endpoints count it (their usage.prompt_tokens), a chat through the
+    model's template with or without its generation prompt; /detokenize gives transformers' decode of the ids."""
+    url, _, tokenizer = server
+    tokenized = httpx.post(url + "/tokenize", json={"messages": QUESTION, "return_token_strs": True}).json()
+    reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=1)
+    assert tokenized["count"] == len(tokenized["tokens"]) == reply.usage.prompt_tokens
+    assert tokenized["tokens"] == tokenizer.chat_ids(QUESTION) and tokenized["max_model_len"] == 8192
+    assert tokenized["token_strs"] == [tokenizer.token_string(i) for i in tokenized["tokens"]]
+    assert tokenized["token_strs"][:3] == ["<|im_start|>", "system", "Ċ"]
+    closed = httpx.post(url + "/tokenize", json={"messages": QUESTION, "add_generation_prompt": False}).json()
+    assert closed["tokens"] == tokenizer.chat_ids(QUESTION, add_generation_prompt=False) != tokenized["tokens"]
+    prompt = "The three primary colours are"
+    counted = httpx.post(url + "/tokenize", json={"model": "SmolLM2-135M-Instruct", "prompt": prompt}).json()
+    completion = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=1)
+    assert counted["count"] == completion.usage.prompt_tokens and counted["token_strs"] is None
+    text = httpx.post(url + "/detokenize", json={"tokens": tokenized["tokens"]}).json()["prompt"]
+    assert text == tokenizer.decode(tokenized["tokens"], skip_special_tokens=False)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    for route, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+        unknown = httpx.post(url + route, json={**body, "model": "gpt-4"})
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/tokenize", {"prompt": "hi", "messages": QUESTION}, "prompt"), ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"messages": []}, "messages"), ("/detokenize", {"tokens": [1, 49152]}, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"), ("/detokenize", {"tokens": "hi"}, "tokens"),
+])
+def test_tokenize_and_detokenize_refuse_bad_input_by_name(server, route, body, param):
+    answer = httpx.post(server[0] + route, json=body)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.json()
 
 
 def test_errors_are_openai_shaped(client, server):
@@ -293,8 +341,8 @@ def test_auto_tool_choice_parses_the_calls_the_model_writes_streamed_and_not(ser
         assert calls == [{"name": "get_weather", "arguments": call.function.arguments}] and reason == "tool_calls"
 
 
-def test_an_api_key_guards_the_v1_routes_and_the_served_name_is_the_models(server):
-    """As `mlsys serve --api-key secret --served-model-name smol`: /v1 asks for the key (401 in OpenAI's shape),
+def test_an_api_key_guards_the_routes_and_the_served_name_is_the_models(server):
+    """As `mlsys serve --api-key secret --served-model-name smol`: /v1 and /tokenize ask for the key (401 in OpenAI's shape),
     /health and /metrics do not; the model answers to its served name (and "default")."""
     url, engine, tokenizer = server
     with ServerThread(create_app(engine, tokenizer, "smol", EngineMetrics(), api_key="secret")) as guarded:
@@ -303,6 +351,9 @@ def test_an_api_key_guards_the_v1_routes_and_the_served_name_is_the_models(serve
             stranger.models.list()
         assert refused.value.body["code"] == "invalid_api_key"
         assert httpx.post(guarded + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 401
+        assert httpx.post(guarded + "/tokenize", json={"prompt": "hi"}).status_code == 401
+        assert httpx.post(guarded + "/tokenize", json={"prompt": "hi"}, headers={"Authorization": "Bearer secret"}
+                          ).json()["tokens"] == tokenizer.encode("hi")
         assert httpx.get(guarded + "/health").status_code == 200 and httpx.get(guarded + "/metrics").status_code == 200
         client = openai.OpenAI(base_url=guarded + "/v1", api_key="secret", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == ["smol"]
@@ -541,6 +592,11 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     assert aborts(url) == aborted + 3  # the stream's one, and the timed-out call's two choices
     stats = engine.check()  # the child's block pool invariant holds
     assert stats.kv_blocks_used == stats.prefix_cache_blocks  # only the prefix cache holds blocks
+
+
+def gauge(url: str, name: str) -> float:
+    return next(float(line.split()[1]) for line in httpx.get(url + "/metrics").text.splitlines()
+                if line.startswith(name + " "))
 
 
 def aborts(url: str) -> float:

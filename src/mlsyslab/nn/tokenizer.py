@@ -84,6 +84,11 @@ class Tokenizer:
         """The text of one token on its own (for logprobs)."""
         return self.backend.decode([token_id], skip_special_tokens=False)
 
+    def token_string(self, token_id: int) -> str:
+        """One token's entry in the vocabulary, as transformers' `convert_ids_to_tokens` gives it (SmolLM2's byte-level
+        BPE: "Ġthe" for " the")."""
+        return self.backend.id_to_token(token_id)
+
 
 def generation_eos(folder: Path) -> list[int]:
     """The ids transformers' `generate` stops at besides the tokenizer's EOS: generation_config.json's eos_token_id,

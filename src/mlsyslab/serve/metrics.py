@@ -26,6 +26,8 @@ class EngineMetrics:
         gauges = (("mlsys_requests_waiting", "requests in the queue", "waiting"),
                   ("mlsys_requests_running", "requests holding KV blocks", "running"),
                   ("mlsys_kv_blocks_used", "KV blocks in use (requests and prefix cache)", "kv_blocks_used"),
+                  ("mlsys_kv_blocks_prefix_cache", "KV blocks the prefix cache holds (in kv_blocks_used too; evicted when "
+                   "needed once no request shares them): idle, used = these, else a block leaked", "prefix_cache_blocks"),
                   ("mlsys_kv_blocks_total", "KV blocks in the pool", "kv_blocks_total"),
                   ("mlsys_prefix_cache_hit_rate", "prompt tokens found in the prefix cache / looked up", "prefix_hit_rate"),
                   ("mlsys_preemptions", "requests preempted so far", "preemptions"),

@@ -6,7 +6,12 @@ with a 400 that names them rather than silently ignored. Tools with a named tool
 decoded under a grammar (`serve.tools`); with "auto", calls the model chose to write (`serve.tool_parser`).
 Extensions shared with vLLM: top_k, min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids,
 skip_special_tokens (false: the reply's text shows its special tokens), `structured_outputs`, and for chat
-`chat_template_kwargs` (more variables for the model's chat template: Qwen3's {"enable_thinking": false}).
+`chat_template_kwargs` (more variables for the model's chat template: Qwen3's {"enable_thinking": false}) and
+`add_generation_prompt` (false: the template does not open the assistant's turn).
+
+vLLM's /tokenize and /detokenize (`TokenizeRequest`, `DetokenizeRequest`): the ids the server would run for a
+completions `prompt` or a chat's `messages` (the same template, tools and variables), to count a prompt's tokens
+before sending it; and the text of a list of ids.
 
 Structured outputs (`serve.grammar`), on both endpoints: OpenAI's `response_format` — {"type": "json_object"}
 or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}} — or vLLM's `structured_outputs` with
@@ -203,6 +208,7 @@ class ChatRequest(CommonRequest):
     parallel_tool_calls: bool = True
     functions: list | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
 
     def tool_calls(self) -> tuple[dict[str, dict], ToolCalls | None]:
         """The tools' parameter schemas by name, and how replies become calls (None: replies are text)."""
@@ -241,7 +247,53 @@ class ChatRequest(CommonRequest):
         messages = [chat_message(m, index) for index, m in enumerate(self.messages)]
         if not messages:
             raise InvalidValue("messages", [], "at least one message")
-        return tokenizer.chat_ids(messages, tools=self.tools or None, template_kwargs=self.chat_template_kwargs)
+        return tokenizer.chat_ids(messages, self.add_generation_prompt, self.tools or None, self.chat_template_kwargs)
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize: a completions `prompt` (a string) or a chat's `messages` (with its tools and template
+    variables), tokenized as the serving endpoints tokenize them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidValue("prompt", "both" if self.prompt is not None else None,
+                               "exactly one of prompt (a completions prompt, a string) and messages (a chat)")
+        if self.prompt is not None:
+            return tokenizer.encode(self.prompt)
+        chat = ChatRequest(messages=self.messages, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs,
+                           add_generation_prompt=self.add_generation_prompt)
+        return chat.prompt_ids(tokenizer)
+
+    def response(self, tokenizer: Tokenizer, max_seq: int) -> dict:
+        ids = self.prompt_ids(tokenizer)
+        strings = [tokenizer.token_string(i) for i in ids] if self.return_token_strs else None
+        return {"count": len(ids), "max_model_len": max_seq, "tokens": ids, "token_strs": strings}
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize: the text of `tokens`, special tokens included (as transformers' `decode` gives it)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+    def response(self, tokenizer: Tokenizer) -> dict:
+        vocab = tokenizer.vocab_size
+        outside = next((token for token in self.tokens if not 0 <= token < vocab), None)
+        if outside is not None:
+            raise InvalidValue("tokens", outside, f"token ids in 0..{vocab - 1}")
+        return {"prompt": tokenizer.decode(self.tokens, skip_special_tokens=False)}
 
 
 def chat_message(message: dict, index: int) -> dict:

@@ -2,7 +2,8 @@
 (the engine runs in a process of its own).
 
 Routes: POST /v1/completions and /v1/chat/completions (JSON, or server-sent events with
-`"stream": true`), GET /v1/models, /health, /metrics (Prometheus). Errors use OpenAI's body
+`"stream": true`), GET /v1/models and /v1/models/{model}, /health, /metrics (Prometheus), and vLLM's POST
+/tokenize and /detokenize (`serve.protocol.TokenizeRequest`). Errors use OpenAI's body
 `{"error": {"message", "type", "param", "code"}}`: 400 for an invalid parameter or a prompt over the
 context length, 404 for another model name, 503 when the queue is full or the engine has failed.
 A call's choices (`n`, and the completions API's list of prompts; `serve.protocol`) are engine requests
@@ -35,6 +36,8 @@ from mlsyslab.serve.output import RequestOutput
 from mlsyslab.serve.protocol import (
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     best_choices,
     chat_logprobs,
     completion_logprobs,
@@ -47,6 +50,8 @@ from mlsyslab.serve.sampling import SamplingParams
 from mlsyslab.serve.scheduler import QueueFull
 from mlsyslab.serve.tool_parser import PARSERS, ToolCallStream
 from mlsyslab.serve.tools import tool_call
+
+OPEN_ROUTES = ("/health", "/metrics")  # without the API key: probes and scrapers
 
 
 def build_server(model, tokenizer, model_name: str, config, threads: int | None = None,
@@ -75,16 +80,16 @@ def build_server(model, tokenizer, model_name: str, config, threads: int | None 
 def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, metrics: EngineMetrics,
                tool_parser: str | None = None, api_key: str | None = None, reasoning_parser: str | None = None
                ) -> FastAPI:
-    """The FastAPI app serving `engine` under the model name `model_name`. With `api_key`, every /v1 route asks for
-    it as OpenAI's clients send it (`Authorization: Bearer <key>`; a 401 otherwise, as vLLM's `--api-key`);
-    /health and /metrics stay open to probes and scrapers."""
+    """The FastAPI app serving `engine` under the model name `model_name`. With `api_key`, every route asks for it as
+    OpenAI's clients send it (`Authorization: Bearer <key>`; a 401 otherwise, as vLLM's `--api-key`) but /health and
+    /metrics, which stay open to probes and scrapers."""
     app = FastAPI(title="mlsyslab", version="0.1.0")
 
     if api_key:
         @app.middleware("http")
         async def authorize(http: Request, call_next):
             given = http.headers.get("authorization", "")
-            if http.url.path.startswith("/v1") and not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            if http.url.path not in OPEN_ROUTES and not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return error_response(401, "a missing or wrong API key (send it as 'Authorization: Bearer <key>')",
                                       "invalid_request_error", None, "invalid_api_key")
             return await call_next(http)
@@ -107,10 +112,23 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
             return error_response(503, f"engine is not running: {engine.error!r}", "server_error")
         return {"status": "ok"}
 
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "mlsyslab", "max_model_len": max_seq}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "mlsyslab", "max_model_len": max_seq}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model}")
+    async def model(model: str):
+        return answer(lambda: check_model(model, model_name) or card)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return answer(lambda: check_model(body.model, model_name) or body.response(tokenizer, max_seq))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return answer(lambda: check_model(body.model, model_name) or body.response(tokenizer))
 
     @app.get("/metrics")
     async def prometheus():
@@ -362,6 +380,14 @@ async def collect(call: Call, http: Request) -> bool:
         if await http.is_disconnected():
             task.cancel()  # the stream's `finally` aborts the unfinished requests
             return False
+
+
+def answer(respond):
+    """respond()'s body, or the OpenAI-style error for the input error it raised."""
+    try:
+        return respond()
+    except MlsysError as error:
+        return error_for(error)
 
 
 def check_model(requested: str | None, served: str) -> None:
