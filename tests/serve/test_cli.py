@@ -55,6 +55,7 @@ def test_generate_under_a_json_schema_or_a_regex(capsys, monkeypatch, tmp_path):
                                          (["serve", "--tool-call-parser", "pythonic"], "--tool-call-parser"),
                                          (["serve", "--reasoning-parser", "granite"], "--reasoning-parser"),
                                          (["serve", "--served-model-name", " "], "--served-model-name"),
+                                         (["serve", "--host", "no-such-host.invalid"], "--host"),
                                          (["generate", "hi", "--json-schema", "{not json"], "--json-schema"),
                                          (["generate", "hi", "--json-schema", "[1]"], "--json-schema"),
                                          (["generate", "hi", "--regex", "[a-"], "structured_output.regex"),
@@ -69,10 +70,15 @@ def test_bad_options_exit_2_with_one_line(capsys, monkeypatch, args, field):
     assert len(err.strip().splitlines()) == 1 and field in err
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def test_serve_on_a_port_in_use_exits_2_before_loading(capsys, monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.perf_counter()
+        code, out, err = run(capsys, monkeypatch, "serve", "--port", str(port))
+    assert code == 2 and f"--port={port}" in err and "in use" in err and len(err.strip().splitlines()) == 1
+    assert time.perf_counter() - started < 5  # the model was not loaded
 
 
 def test_serve_answers_the_openai_client():
@@ -80,15 +86,15 @@ def test_serve_answers_the_openai_client():
     speculative decoding on: the greedy answer is the same, and a reply that copies its prompt keeps drafts. With a
     tool-call parser: tools under OpenAI's default tool_choice ("auto") are served (the model answers in text); with a
     reasoning parser, a reply without a think block is all content. Its
-    served name and API key (from MLSYS_API_KEY) are asked for."""
-    port = free_port()
+    served name and API key (from MLSYS_API_KEY) are asked for. On --port 0 it takes a free port and says which."""
     start = time.perf_counter()
-    process = subprocess.Popen([sys.executable, "-m", "mlsyslab", "serve", "--port", str(port), "--threads", "2",
+    process = subprocess.Popen([sys.executable, "-m", "mlsyslab", "serve", "--port", "0", "--threads", "2",
                                 "--kv-cache-gb", "0.2", "--speculative-tokens", "4", "--tool-call-parser", "hermes",
-                                "--served-model-name", "smol", "--reasoning-parser", "qwen3"],
+                                "--served-model-name", "smol", "--reasoning-parser", "qwen3"], text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "MLSYS_API_KEY": "secret"})
     try:
-        url = f"http://127.0.0.1:{port}"
+        banner = next(line for line in process.stderr if line.startswith("serving smol"))  # printed once ready
+        url = re.search(r"at (http://127\.0\.0\.1:[1-9][0-9]*)/v1 ", banner).group(1)
         while time.perf_counter() - start < 120:
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:

@@ -76,6 +76,13 @@ def mlsys(*args, **kwargs):
     (["--tp", "2", "--seq", "33", "--sequence-parallel"], "sequence_parallel"),  # 33 tokens do not split over TP 2
     (["--timeline", "timeline.png"], "timeline"),  # no pipeline to draw
     (["--pp", "2", "--timeline", "timeline.svg"], "timeline"),
+    (["--lr", "-1"], "lr"), (["--lr", "nan"], "lr"),
+    (["--checkpoint-every", "-1"], "checkpoint_every"),
+    (["--schedule", "bogus"], "schedule"),  # without --pp too
+    (["--schedule", "interleaved", "--interleave", "2"], "interleave"),  # no pipeline to interleave
+    (["--nnodes", "0"], "nnodes"), (["--nnodes", "2", "--node-rank", "2"], "node_rank"),
+    (["--master-port", "99999"], "master_port"),
+    (["--checkpoint-dir", "/proc/mlsys-checkpoints"], "checkpoint_dir"),  # cannot be created
 ])
 def test_bad_input_is_refused_before_launch(tiny, args, field, capsys, monkeypatch):
     """In process (`mlsys`'s own entry point): a refusal that failed would launch torchrun and take seconds."""

@@ -7,6 +7,8 @@ the twin predicts for this engine (`serve.twin`) beside the measured one.
 
 from __future__ import annotations
 
+import errno
+import socket
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -53,8 +55,8 @@ def serve_command(
         "--served-model-name", help="the name clients ask for (default: the model's; \"default\" is always "
         "accepted)")] = None,
     api_key: Annotated[Optional[str], typer.Option(
-        "--api-key", envvar="MLSYS_API_KEY", help="ask every /v1 request for this key (Authorization: Bearer "
-        "<key>; /health and /metrics stay open)")] = None,
+        "--api-key", envvar="MLSYS_API_KEY", help="ask every request for this key (Authorization: Bearer "
+        "<key>) but /health and /metrics")] = None,
     cache_dir: CacheDir = None,
 ):
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
@@ -76,14 +78,37 @@ def serve_command(
         raise InvalidValue("--served-model-name", served_model_name, "a non-empty name")
     load_model, load_tokenizer, name = loaders(model, dtype, threads, cache_dir)
     name = served_model_name or name
-    app, engine = build_server(load_model, load_tokenizer, name, config, threads or serving_threads(),
-                               tool_call_parser, api_key, reasoning_parser)
-    typer.echo(f"serving {name} ({dtype}, {engine.stats.kv_blocks_total} KV blocks of {block_size} tokens) "
-               f"at http://{host}:{port}/v1 — ready in {time.perf_counter() - start:.1f} s", err=True)
+    listening = bound_socket(host, port)
+    with listening:
+        app, engine = build_server(load_model, load_tokenizer, name, config, threads or serving_threads(),
+                                   tool_call_parser, api_key, reasoning_parser)
+        address, bound_port = listening.getsockname()[:2]
+        typer.echo(f"serving {name} ({dtype}, {engine.stats.kv_blocks_total} KV blocks of {block_size} tokens) "
+                   f"at http://{host if ':' not in address else f'[{address}]'}:{bound_port}/v1 — ready in "
+                   f"{time.perf_counter() - start:.1f} s", err=True)
+        try:
+            uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listening])
+        finally:
+            engine.stop()
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """The server's address, taken before the model loads: a host that is not this machine's or a port in use is an
+    error naming it at once (exit 2), and port 0 takes a free port, which the banner then prints."""
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
-    finally:
-        engine.stop()
+        family, kind, protocol, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as error:
+        raise InvalidValue("--host", host, f"an address or name of this machine ({error.strerror})") from None
+    listening = socket.socket(family, kind, protocol)
+    listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listening.bind(address)
+    except OSError as error:
+        listening.close()
+        if error.errno == errno.EADDRINUSE:
+            raise InvalidValue("--port", port, f"a port nothing listens on at {host} ({error.strerror})") from None
+        raise InvalidValue("--host", host, f"an address of this machine ({error.strerror})") from None
+    return listening
 
 
 def generate_command(

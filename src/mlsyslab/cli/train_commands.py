@@ -57,6 +57,7 @@ def train_command(
     from mlsyslab.train.trainer import TrainConfig
     from mlsyslab.verify.training import compare_mesh_training, compare_training
 
+    _check_launch(nproc, nnodes, node_rank, master_port)
     spec = resolve_model(model, model_spec)
     config = TrainConfig(model=spec.model_dump(), strategy=strategy, nproc=nproc * nnodes, steps=steps, seq=seq,
                          global_batch=global_batch, micro_batch=1, lr=lr, bf16=bf16, offload=offload, seed=seed,
@@ -98,6 +99,18 @@ def train_command(
     if json:
         return emit_json(report)
     _print(config, result, comparison)
+
+
+def _check_launch(nproc: int, nnodes: int, node_rank: int, master_port: int | None) -> None:
+    """torchrun's options, named before anything starts (torchrun itself would wait for the missing nodes)."""
+    if nproc < 1:
+        raise InvalidValue("nproc", nproc, "an integer >= 1 (ranks on this node)")
+    if nnodes < 1:
+        raise InvalidValue("nnodes", nnodes, "an integer >= 1")
+    if not 0 <= node_rank < nnodes:
+        raise InvalidValue("node_rank", node_rank, f"0..{nnodes - 1} (one of the --nnodes {nnodes} nodes)")
+    if master_port is not None and not 1 <= master_port <= 65535:
+        raise InvalidValue("master_port", master_port, "a TCP port, 1..65535")
 
 
 def _micro_batch(config, microbatches: int | None) -> int:

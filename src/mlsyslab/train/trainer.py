@@ -31,6 +31,7 @@ whose reductions happen once a step) of a model with untied embeddings (the firs
 their two copies apart).
 """
 
+import math
 import statistics
 import time
 from contextlib import nullcontext
@@ -111,6 +112,14 @@ class TrainConfig:
         for name in ("tp", "pp", "cp", "ep", "interleave"):
             if getattr(self, name) < 1:
                 raise InvalidValue(name, getattr(self, name), "an integer >= 1")
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise InvalidValue("lr", self.lr, "a finite number >= 0")
+        if self.checkpoint_every < 0:
+            raise InvalidValue("checkpoint_every", self.checkpoint_every, "an integer >= 0 (0: at the end only)")
+        if self.schedule not in SCHEDULES:
+            raise InvalidValue("schedule", self.schedule, ", ".join(SCHEDULES))
+        if self.interleave > 1 and (self.schedule != "interleaved" or self.pp == 1):
+            raise InvalidValue("interleave", self.interleave, "1 unless --schedule interleaved with --pp > 1")
         if self.dp is not None and self.dp < 1:
             raise InvalidValue("dp", self.dp, "an integer >= 1")
         if self.on_mesh:
@@ -153,13 +162,15 @@ class TrainConfig:
                     raise InvalidValue("interleave", self.interleave,
                                        f"pp·interleave dividing the {model.layers} layers (pp={self.pp})")
                 build_schedule(self.schedule, self.pp, self.microbatches, self.interleave)
+        if self.checkpoint_dir:  # last: the only check that leaves something behind (the folder)
+            try:
+                Path(self.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                raise InvalidValue("checkpoint_dir", self.checkpoint_dir,
+                                   f"a folder this process can create ({error.strerror})") from None
 
     def _validate_mesh(self) -> None:
         """What the mesh trainer does not do yet, named before launch."""
-        if self.schedule not in SCHEDULES:
-            raise InvalidValue("schedule", self.schedule, ", ".join(SCHEDULES))
-        if self.interleave > 1 and self.schedule != "interleaved":
-            raise InvalidValue("interleave", self.interleave, "1 unless --schedule interleaved")
         if self.schedule == "pipedream" and (self.data_parallel * self.tp * self.cp * self.ep > 1 or self.strategy != "ddp"
                                              or self.model.get("tied_embeddings")):
             # each stage updates after every backward: DP's or ZeRO's reduction and the tied embedding's summed
