@@ -195,6 +195,7 @@ def test_schedule_simulates_draws_and_refuses_bad_input(capsys, monkeypatch, tmp
     assert pipedream["weight_versions"][0] == {"0": 0, "1": 0, "2": 0, "3": 1}
     for args, field in ((["zigzag"], "schedule"), (["1f1b", "--forward", "0"], "--forward"),
                         (["interleaved", "--interleave", "2", "--microbatches", "6"], "microbatches"),
+                        (["gpipe", "--interleave", "2"], "interleave"),
                         (["1f1b", "--png", str(tmp_path / "chart.svg")], "--png")):
         code, _, err = run(capsys, monkeypatch, "schedule", *args)
         assert code == 2 and err.startswith(f"error: {field}="), err

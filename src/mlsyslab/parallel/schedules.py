@@ -53,7 +53,7 @@ def build(name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedul
     if stages < 1 or microbatches < 1 or chunks < 1:
         raise InvalidValue("pipeline", (stages, microbatches, chunks), "stages, microbatches and chunks >= 1")
     if name != "interleaved" and chunks != 1:
-        raise InvalidValue("chunks", chunks, "1 unless the schedule is interleaved")
+        raise InvalidValue("interleave", chunks, "1 (one model chunk per rank) unless the schedule is interleaved")
     if name == "interleaved" and microbatches % stages:
         raise InvalidValue("microbatches", microbatches, f"a multiple of the {stages} stages (interleaved 1F1B)")
     plan = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "pipedream": _one_f_one_b, "interleaved": _interleaved}[name]
