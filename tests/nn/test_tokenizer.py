@@ -133,7 +133,7 @@ def test_template_kwargs_reach_the_template_as_transformers_passes_them(tmp_path
         got = ours.chat_ids(chat, template_kwargs=kwargs)
         assert got == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
         assert (got[-2:] == [5, 6]) == (kwargs == {"enable_thinking": False})
-    for name in ("add_generation_prompt", "tools", "eos_token", "not a name"):
+    for name in ("add_generation_prompt", "tools", "messages", "eos_token", "not a name"):
         with pytest.raises(InvalidValue, match="chat_template_kwargs"):
             ours.chat_ids(chat, template_kwargs={name: False})
 

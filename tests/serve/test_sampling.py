@@ -153,7 +153,8 @@ def test_logprobs_and_top_logprobs():
 @pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -2), ("min_p", 1.5),
                                           ("max_tokens", 0), ("logprobs", 21), ("presence_penalty", 3.0),
                                           ("temperature", math.nan), ("stop", [""]), ("logit_bias", {5: 101}),
-                                          ("logit_bias", {-1: 1.0}), ("min_tokens", 17), ("min_tokens", -1)])
+                                          ("logit_bias", {-1: 1.0}), ("min_tokens", 17), ("min_tokens", -1),
+                                          ("seed", 2**63), ("seed", -2**63 - 1)])
 def test_invalid_parameters_name_the_field(field, value):
     with pytest.raises(InvalidValue, match=field):
         SamplingParams(**{field: value})

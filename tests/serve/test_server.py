@@ -442,19 +442,21 @@ def test_completion_suffix_is_refused(client):
 
 
 def test_queue_bound_gives_503_and_admits_a_call_whole_or_not_at_all(server):
+    """max_waiting 2, one request running and one waiting: a call of two choices does not fit now (503, neither stays
+    queued); one of three never can (400)."""
     url, engine, _ = server
     body = {"prompt": "Count to a thousand:", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", url + "/v1/completions", json=body) as running:
             lines = running.iter_lines()  # held: dropping the iterator would close the stream (an abort)
             next(line for line in lines if line.startswith("data:"))  # running now
-            three = http.post(url + "/v1/completions", json={**body, "stream": False, "n": 3})
-            assert engine.check().waiting == 0  # none of the three stayed queued
-            with http.stream("POST", url + "/v1/completions", json={**body, "n": 2}) as waiting:
-                assert waiting.status_code == 200
-                one_more = http.post(url + "/v1/completions", json={**body, "stream": False})
-    for response in (three, one_more):
-        assert response.status_code == 503 and response.json()["error"]["code"] == "queue_full"
+            with http.stream("POST", url + "/v1/completions", json=body) as waiting:
+                assert waiting.status_code == 200 and engine.check().waiting == 1
+                two = http.post(url + "/v1/completions", json={**body, "stream": False, "n": 2})
+                assert engine.check().waiting == 1  # neither of the two stayed queued
+                three = http.post(url + "/v1/completions", json={**body, "stream": False, "n": 3})
+    assert two.status_code == 503 and two.json()["error"]["code"] == "queue_full"
+    assert three.status_code == 400 and three.json()["error"]["param"] == "prompts × n", three.json()
     wait_until_idle(engine)
 
 
@@ -535,7 +537,9 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(client):
                                          ({"prompt": ["hi", "x " * 9000]}, "prompt tokens"),
                                          ({"prompt": "hi", "n": 2, "best_of": 1}, "best_of"),
                                          ({"prompt": "hi", "best_of": 129}, "best_of"),
-                                         ({"prompt": "hi", "best_of": 2, "stream": True}, "best_of")])
+                                         ({"prompt": "hi", "best_of": 2, "stream": True}, "best_of"),
+                                         ({"prompt": "hi", "n": 2, "seed": 2**63 - 1}, "seed"),  # choice 1: 2^63
+                                         ({"prompt": "hi", "stop_token_ids": [49152]}, "stop_token_ids")])
 def test_a_bad_choice_refuses_the_whole_call(server, body, param):
     refused_leaving_nothing(server, "/v1/completions", {"max_tokens": 2, **body}, param)
 

@@ -59,8 +59,8 @@ class Tokenizer:
         if not self.chat_template:
             raise InvalidValue("messages", "chat", "a model whose tokenizer has a chat template")
         render = self.prepare_chat()
-        reserved = {name for name, parameter in inspect.signature(render).parameters.items()
-                    if parameter.kind != parameter.VAR_KEYWORD} | set(self.special_tokens)
+        reserved = {name for name, parameter in inspect.signature(render).parameters.items()  # and `messages`, which
+                    if parameter.kind != parameter.VAR_KEYWORD} | {"messages"} | set(self.special_tokens)  # it passes
         for key in template_kwargs or {}:
             if not isinstance(key, str) or not key.isidentifier() or key in reserved:
                 raise InvalidValue("chat_template_kwargs", key, "a template variable name other than "

@@ -172,6 +172,8 @@ class Engine:
             raise InvalidValue("prompt token id", max(prompt_ids), f"0..{vocab - 1}")
         if params.logit_bias and max(token for token, _ in params.logit_bias) >= vocab:
             raise InvalidValue("logit_bias token id", max(token for token, _ in params.logit_bias), f"0..{vocab - 1}")
+        if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
+            raise InvalidValue("stop_token_ids", max(params.stop_token_ids), f"token ids in 0..{vocab - 1}")
         if params.stop and self.tokenizer is None:
             raise InvalidValue("stop", params.stop, "none (this engine has no tokenizer to match text)")
         matcher = self.grammars.matcher(params.structured_output) if params.structured_output is not None else None
@@ -187,6 +189,9 @@ class Engine:
         """Queue (request_id, prompt_ids, params) requests all or none — the choices and prompts of one API
         call: if one is invalid or the queue fills, those already queued are aborted before any step has run
         them (their outputs are not reported) and the error is raised."""
+        if len(requests) > self.config.max_waiting:  # would never fit: not a full queue to retry later (503)
+            raise InvalidValue("prompts × n", len(requests), f"<= {self.config.max_waiting} requests (max_waiting): "
+                               "a call's choices are queued together")
         added = []
         try:
             for request in requests:
