@@ -179,6 +179,22 @@ def test_tensor_names_and_errors(tmp_path):
         resolve_folder(tmp_path)
 
 
+def test_files_that_are_not_whole_ggufs_or_configs_are_refused_by_name(tmp_path):
+    """An empty, cut or foreign .gguf, and a config.json without the shape, are errors naming them (not tracebacks
+    from gguf's reader or from arithmetic on a missing field)."""
+    whole = tmp_path / "whole.gguf"
+    write_llama_gguf(Llama(CONFIG).initialize(generator=torch.Generator().manual_seed(0)), whole)
+    for name, content in (("empty.gguf", b""), ("cut.gguf", whole.read_bytes()[:4000]), ("text.gguf", b"not a gguf\n")):
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(InvalidValue, match=r"model=.*a whole GGUF file \(gguf cannot read it"):
+            resolve_folder(tmp_path / name, tmp_path / "cache")
+    assert resolve_folder(whole, tmp_path / "cache").is_dir()
+    shape = CONFIG.to_hf()
+    for key in ("num_attention_heads", "hidden_size"):
+        with pytest.raises(InvalidValue, match=f"{key}=None.*missing: {key}"):
+            LlamaConfig.from_hf({name: value for name, value in shape.items() if name != key})
+
+
 def test_default_model_loads_from_cache_in_about_a_second():
     load_pretrained("default")  # converts on first use on a fresh machine
     start = time.perf_counter()

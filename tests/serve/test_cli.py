@@ -70,6 +70,20 @@ def test_bad_options_exit_2_with_one_line(capsys, monkeypatch, args, field):
     assert len(err.strip().splitlines()) == 1 and field in err
 
 
+def test_serve_names_what_is_wrong_in_a_model_folder(capsys, monkeypatch, tmp_path):
+    """The engine process reads the weights: a config.json without the model's shape, or no safetensors beside it, is
+    an input error there, reported as one line and exit 2 as in the CLI's own process (not a traceback, exit 1)."""
+    from mlsyslab.nn.pretrained import resolve_folder
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((resolve_folder("default") / name).read_bytes())
+    for config, field in (({"model_type": "llama", "hidden_size": 64}, "vocab_size"),
+                          (json.loads((resolve_folder("default") / "config.json").read_text()), "safetensors")):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        code, out, err = run(capsys, monkeypatch, "serve", "--model", str(tmp_path), "--port", "0")
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and field in err, err
+
+
 def test_serve_on_a_port_in_use_exits_2_before_loading(capsys, monkeypatch):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

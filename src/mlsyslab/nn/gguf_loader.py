@@ -77,7 +77,10 @@ def convert_gguf(gguf_path: str | Path, folder: str | Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    reader = gguf.GGUFReader(str(gguf_path))
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except ValueError as error:  # gguf's reader on an empty, cut or foreign file: bad magic, short arrays
+        raise InvalidValue("model", str(gguf_path), f"a whole GGUF file (gguf cannot read it: {error})") from None
     metadata = {name: field.contents() for name, field in reader.fields.items()
                 if not name.startswith("tokenizer.ggml.") or name.endswith("_id")}
     architecture = metadata.get("general.architecture")

@@ -164,6 +164,10 @@ class LlamaConfig:
         act = get("hidden_act", "silu")
         if act != "silu":
             raise InvalidValue("hidden_act", act, "silu")
+        missing = [key for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                   "intermediate_size") if get(key) is None]
+        if missing:
+            raise InvalidValue(missing[0], None, f"set in the model's config.json (missing: {', '.join(missing)})")
         heads = get("num_attention_heads")
         return cls(vocab=get("vocab_size"), hidden=get("hidden_size"), layers=get("num_hidden_layers"), heads=heads,
                    kv_heads=get("num_key_value_heads") or heads,

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing
 
+from mlsyslab.errors import MlsysError
 from mlsyslab.serve.output import Delta, RequestOutput
 from mlsyslab.serve.sampling import SamplingParams
 
@@ -98,6 +99,9 @@ class EngineProcess:
             self.process.kill()
             raise RuntimeError(f"the engine process did not start within {self.start_timeout_s:.0f} s")
         kind, payload = self.results.recv()
+        if kind == "invalid":  # the model's files: an input error, named as in this process (exit 2, HTTP 4xx)
+            self.process.join(5)
+            raise payload
         if kind == "error":
             self.process.join(5)
             raise RuntimeError(f"the engine process failed to start: {payload}")
@@ -246,6 +250,9 @@ def run_engine(model, tokenizer, config, threads: int | None, commands, results)
         tokenizer = tokenizer() if callable(tokenizer) else tokenizer
         engine = Engine(model, tokenizer, config)
         del model
+    except MlsysError as error:
+        results.send(("invalid", error))
+        return
     except BaseException as error:
         results.send(("error", f"{type(error).__name__}: {error}"))
         raise
