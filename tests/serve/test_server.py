@@ -539,9 +539,19 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(client):
                                          ({"prompt": "hi", "best_of": 129}, "best_of"),
                                          ({"prompt": "hi", "best_of": 2, "stream": True}, "best_of"),
                                          ({"prompt": "hi", "n": 2, "seed": 2**63 - 1}, "seed"),  # choice 1: 2^63
-                                         ({"prompt": "hi", "stop_token_ids": [49152]}, "stop_token_ids")])
+                                         ({"prompt": "hi", "stop_token_ids": [49152]}, "stop_token_ids"),
+                                         ({"prompt": ["hi", "a lone \ud800 surrogate"]}, "prompt")])
 def test_a_bad_choice_refuses_the_whole_call(server, body, param):
     refused_leaving_nothing(server, "/v1/completions", {"max_tokens": 2, **body}, param)
+
+
+def test_text_no_tokenizer_can_read_is_a_400(server):
+    """JSON's "\\ud800" without its pair decodes to a lone surrogate, which is not Unicode a tokenizer reads."""
+    refused_leaving_nothing(server, "/v1/chat/completions", {"max_tokens": 2, "messages": [
+        {"role": "user", "content": "a lone \ud800 surrogate"}]}, "messages")
+    answer = httpx.post(server[0] + "/tokenize", content=json.dumps({"prompt": "\udfff"}),
+                        headers={"content-type": "application/json"})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "prompt"
 
 
 def test_best_of_returns_the_candidate_with_the_highest_logprob_per_token(client):
@@ -572,7 +582,7 @@ def test_best_choices_keeps_each_prompts_n_best_best_first():
 def refused_leaving_nothing(server, route: str, body: dict, param: str) -> None:
     """The call is a 400 naming `param`, and the engine holds nothing of it: no request, no block but the cache's."""
     url, engine, _ = server
-    response = httpx.post(url + route, json=body)
+    response = httpx.post(url + route, content=json.dumps(body), headers={"content-type": "application/json"})  # ASCII
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.json()
     stats = engine.check()
     assert stats.idle and stats.kv_blocks_used == stats.prefix_cache_blocks

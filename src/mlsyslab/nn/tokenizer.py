@@ -46,7 +46,7 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text`, with the special tokens the model's tokenizer adds by default (none for SmolLM2)."""
-        return self.backend.encode(text).ids
+        return self.backend.encode(encodable(text, "prompt")).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -71,7 +71,7 @@ class Tokenizer:
         rendered, _ = render([messages], tools=tools, chat_template=self.chat_template,
                              add_generation_prompt=add_generation_prompt, **self.special_tokens, **(template_kwargs or {}))
         # the template writes the special tokens it wants (BOS): none added again, as transformers' apply_chat_template
-        return self.backend.encode(rendered[0], add_special_tokens=False).ids
+        return self.backend.encode(encodable(rendered[0], "messages"), add_special_tokens=False).ids
 
     @staticmethod
     def prepare_chat():
@@ -88,6 +88,16 @@ class Tokenizer:
         """One token's entry in the vocabulary, as transformers' `convert_ids_to_tokens` gives it (SmolLM2's byte-level
         BPE: "Ġthe" for " the")."""
         return self.backend.id_to_token(token_id)
+
+
+def encodable(text: str, field: str) -> str:
+    """`text`, if it is Unicode a tokenizer can read: JSON's "\\ud800" decodes to a lone surrogate, which is not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidValue(field, text[max(0, error.start - 20):error.end + 20], "text without lone UTF-16 surrogates "
+                           "(a \\ud800-\\udfff escape not part of a pair)") from None
+    return text
 
 
 def generation_eos(folder: Path) -> list[int]:
