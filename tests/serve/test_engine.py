@@ -91,10 +91,13 @@ def test_requests_added_together_are_queued_all_or_none():
     good = ("a", [1, 2, 3], SamplingParams(max_tokens=4))
     with pytest.raises(InvalidValue, match="prompt tokens"):
         engine.add_requests([good, ("b", [1] * 500, SamplingParams(max_tokens=4))])
-    with pytest.raises(QueueFull):
+    with pytest.raises(InvalidValue, match="prompts × n=3"):  # more than max_waiting: could never be queued
         engine.add_requests([good, ("b", [4, 5], SamplingParams()), ("c", [6], SamplingParams())])
-    assert not engine.has_work() and not engine.trackers and engine.kv.num_used == 0
-    engine.add_requests([good, ("b", [4, 5], SamplingParams(max_tokens=4))])
+    engine.add_requests([good])
+    with pytest.raises(QueueFull):  # two fit the bound, not beside the one waiting: neither stays
+        engine.add_requests([("b", [4, 5], SamplingParams()), ("c", [6], SamplingParams())])
+    assert list(engine.trackers) == ["a"] and engine.kv.num_used == 0
+    engine.add_requests([("b", [4, 5], SamplingParams(max_tokens=4))])
     finished = []
     while engine.has_work():
         finished += engine.step()[1]
