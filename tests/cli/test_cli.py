@@ -104,6 +104,7 @@ def test_roofline_json(capsys, monkeypatch):
     (["predict", "serve", "--model", "llama-3-8b", "--hardware", "h100", "--prompt-tokens", "9000"], "--prompt-tokens"),
     (["plan", "--model", "llama-3-8b", "--hardware", "h100", "--gpus", "0"], "--gpus"),
     (["predict", "train", "--model", "llama-3-8b", "--hardware", "h100", "--gpus", "eight"], "--gpus"),
+    (["predict", "speculative", "--acceptance", "nan"], "--acceptance"),  # NaN is outside every range
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch, args, field):
     code, out, err = run(capsys, monkeypatch, *args)

@@ -121,6 +121,15 @@ def test_balanced_split_has_the_cheapest_costliest_stage(costs, stages, tail):
     assert score(bounds) == pytest.approx((least, most_even))
 
 
+@pytest.mark.parametrize("seq", [8192, 10**8])
+def test_recomputation_adds_flops_at_any_sequence_length(seq):
+    """Selective and full recomputation add FLOPs (hfu > mfu) at 1e8 tokens too: the step's sizes multiplied as int64
+    wrapped past 9.2e18 there, and hfu came out under mfu."""
+    model, hardware = catalog.model("llama-3-8b"), Hardware.of(*catalog.hardware("h100"))
+    result = predict_training(model, hardware, Layout.of(dp=8, global_batch=32, seq=seq, recompute=np.array([1, 2])))
+    assert np.all(np.isfinite(result.mfu)) and np.all(result.hfu > result.mfu), (result.mfu, result.hfu)
+
+
 def test_stage_layers_follow_the_output_layer():
     """SmolLM2-135M's output layer costs ~8 of its 30 layers: pp = 2 holds 19 + 11 layers (the last, with the
     logits, the slowest on a tie), and the step is faster than if the last stage held 15 layers and the logits;

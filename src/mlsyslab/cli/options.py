@@ -88,6 +88,6 @@ def check_greater_than_zero(**values):
 def check_range(field: str, value, low, high=None):
     if value is None:
         return
-    if value < low or (high is not None and value > high):
+    if not (value >= low and (high is None or value <= high)):  # so written, NaN is refused too
         valid = f">= {low}" if high is None else f"{low}..{high}"
         raise InvalidValue(field, value, valid)

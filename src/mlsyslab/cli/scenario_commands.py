@@ -35,7 +35,7 @@ def fleet_command(
     check_range("--restart-s", restart_s, 0)
     if model or model_spec:
         params = parameters(resolve_model(model, model_spec)).total()
-    if params <= 0:
+    if not params > 0:  # NaN too
         raise InvalidValue("--params", params, "> 0, or --model NAME")
     f = predict_fleet(gpus, params, storage_gbps * 1e9, gpus_per_node, restart_s, interval_s, FailureRates(gpu_mttf_h=gpu_mttf_h))
     report = {"gpus": gpus, "parameters": params, "mtbf_h": float(f.mtbf_s) / 3600, "failures_per_day": float(f.failures_per_day),

@@ -35,7 +35,7 @@ def _local_assumptions(default, pairs):
 
 def _quantity(flag: str, text: str, kind: str) -> float:
     value = parse_quantity(text, kind, flag)
-    if value <= 0:
+    if not value > 0:  # NaN too
         raise InvalidValue(flag, text, f"a positive quantity in {kind}")
     return value
 

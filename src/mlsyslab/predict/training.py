@@ -216,12 +216,14 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
         + np.where(pipedream, m * 2 * width * local / memory_bw, 0.0)
 
     step = slots * slot + dp_exposed + optimizer_time
-    model_flops = layout.global_batch * layout.seq * training_flops_per_token(model, layout.seq)
+    seq = np.asarray(layout.seq, dtype=float)  # products of int64 sizes wrap past 9.2e18 (a 1e8-token sweep)
+    step_tokens = layout.global_batch * seq
+    model_flops = step_tokens * training_flops_per_token(model, layout.seq)
     gpus = layout.gpus.astype(float)
     mfu = model_flops / (step * gpus * hw.peak_flops)
-    forward = layout.global_batch * layout.seq * forward_flops_per_token(model, layout.seq)
-    attention_forward = layout.global_batch * layout.seq * 2 * layout.seq * (d_qk + d_v) * model.layers
-    logits_forward = layout.global_batch * layout.seq * 2 * breakdown.output_projection
+    forward = step_tokens * forward_flops_per_token(model, layout.seq)
+    attention_forward = step_tokens * 2 * seq * (d_qk + d_v) * model.layers
+    logits_forward = step_tokens * 2 * breakdown.output_projection
     recomputed = np.where(full, forward - logits_forward, np.where(selective, attention_forward, 0.0))
     hfu = (model_flops + recomputed) / (step * gpus * hw.peak_flops)
     memory = training_memory(model, layout, hw.hbm_bytes, optimizer, hw.dtype, a, stages)
@@ -236,7 +238,7 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
             "pipeline_p2p": np.where(p > 1, 2 * v * m * p2p_bytes, 0.0), "data_parallel": dp_bytes}
     return TrainingPrediction(
         step_s=step, mfu=mfu, hfu=hfu, tflops_per_gpu=model_flops / (step * gpus) / 1e12,
-        tokens_per_s=layout.global_batch * layout.seq / step, bubble_fraction=pipeline_bubble_fraction(p, m, v),
+        tokens_per_s=step_tokens / step, bubble_fraction=pipeline_bubble_fraction(p, m, v),
         time_s=time_s, wire_bytes=wire, memory=memory, feasible=feasible, reason_code=reason_code, stages=stages,
         slowest_is_last=slowest_is_last,
     )
