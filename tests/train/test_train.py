@@ -154,6 +154,8 @@ def test_sigkill_then_resume_reproduces_the_losses_bitwise(tiny, tmp_path):
     run.wait()
     completed = sorted(p.name for p in directory.glob("step_*") if not p.name.endswith(".partial"))
     assert completed and completed[-1] != "step_00000008", completed  # really killed before the end
+    other = mlsys(*command[3:-1], "--strategy", "ddp", "--resume")  # the checkpoint keeps ZeRO-2's shards
+    assert other.returncode == 2 and "resume=\"strategy='ddp'\"" in other.stderr and "'zero2'" in other.stderr, other.stderr
     resumed = _train_json(tiny, "--strategy", "zero2", "--steps", steps, "--checkpoint-dir", str(directory), "--resume")
     first = resumed["result"]["first_step"]
     assert 0 < first < 8

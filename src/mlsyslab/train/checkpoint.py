@@ -4,13 +4,16 @@ Data parallelism (`trainer_state`): replicated state (DDP's and ZeRO-1/2's full 
 optimizer state) is stored once; sharded state (ZeRO's master slices, optimizer slices, ZeRO-3
 parameter shards) under rank-specific keys. On a device mesh (`mesh_state`) every rank holds a
 different piece — its TP shards, pipeline stages, experts, ZeRO slices — so all of it is stored under
-the rank's keys. Either way a run resumes on the same ranks and layout. A checkpoint is written to
+the rank's keys. Either way a run resumes on the same ranks and layout: each checkpoint keeps the fields of the run
+that wrote it that decide its keys and shapes (`run.json`: the model, strategy, ranks and layout), and a resume that
+differs in one is refused by name before launch (`check_resumable`). A checkpoint is written to
 `step_N.partial` and renamed to `step_N` only after every rank finished, so a run killed mid-write
 leaves the previous checkpoint as the newest complete one. Resuming restores weights, fp32 masters
 and AdamW state in place: the following steps reproduce an uninterrupted run bitwise on CPU
 (tests/train/test_train.py, both trainers).
 """
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -21,14 +24,18 @@ import torch.distributed as dist
 from mlsyslab.comm.launch import Rank
 from mlsyslab.errors import InvalidValue
 
+RUN_FILE = "run.json"
 
-def save(directory: str, step: int, rank: Rank, state: dict) -> Path:
-    """Write `state` (`trainer_state` or `mesh_state`) as checkpoint `step` of `directory`."""
+
+def save(directory: str, step: int, rank: Rank, state: dict, run: dict) -> Path:
+    """Write `state` (`trainer_state` or `mesh_state`) as checkpoint `step` of `directory`, with `run` (the writing
+    run's fields a resume must match, `TrainConfig.checkpoint_fields`)."""
     root = Path(directory)
     final, partial = root / f"step_{step:08d}", root / f"step_{step:08d}.partial"
     if rank.rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
+        (partial / RUN_FILE).write_text(json.dumps(run, sort_keys=True))
     dist.barrier(group=rank.group)
     import torch.distributed.checkpoint as dcp  # here, not at the top: its import (DTensor's) costs every rank ~1 s
 
@@ -39,6 +46,21 @@ def save(directory: str, step: int, rank: Rank, state: dict) -> Path:
         partial.rename(final)
     dist.barrier(group=rank.group)
     return final
+
+
+def check_resumable(checkpoint: Path, run: dict) -> None:
+    """Raise unless `run` matches the fields of the run that wrote `checkpoint` (one written before they were kept
+    passes: DCP then names the first key or shape that differs, in the ranks)."""
+    if not (checkpoint / RUN_FILE).is_file():
+        return
+    written = json.loads((checkpoint / RUN_FILE).read_text())
+    for field, value in json.loads(json.dumps(run)).items():  # as JSON keeps it: tuples as lists
+        if written.get(field) != value:
+            shown = value if field != "model" else value.get("name")
+            kept = written.get(field) if field != "model" else (written.get(field) or {}).get("name")
+            raise InvalidValue("resume", f"{field}={shown!r}", f"the {field} of the run that wrote {checkpoint} "
+                               f"({field}={kept!r}{' (another shape)' if shown == kept else ''}): a checkpoint resumes "
+                               "on the same model, strategy, ranks and layout")
 
 
 def load_latest(directory: str, optimizers: list, state: Callable[[], dict]) -> int:

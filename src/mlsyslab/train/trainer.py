@@ -151,6 +151,8 @@ class TrainConfig:
         newest = checkpoint.completed(self.checkpoint_dir)[-1:] if self.resume else []
         if newest and not (newest[0] / ".metadata").is_file():
             raise InvalidValue("checkpoint_dir", str(newest[0]), "a checkpoint mlsys train wrote (it has no .metadata)")
+        if newest:
+            checkpoint.check_resumable(newest[0], self.checkpoint_fields)
         spec = Model(**self.model)
         if self.seq > spec.max_seq:
             raise InvalidValue("seq", self.seq, f"<= the {spec.max_seq}-token context of {spec.name}")
@@ -177,6 +179,13 @@ class TrainConfig:
             # gradient (first and last stage) all happen once a step, so none of them can follow
             raise InvalidValue("schedule", self.schedule, "gpipe, 1f1b or interleaved; pipedream on a pipeline alone "
                                "(--dp/--tp/--cp/--ep 1, --strategy ddp) and a model with untied embeddings")
+
+    @property
+    def checkpoint_fields(self) -> dict:
+        """What decides a checkpoint's keys and shapes, kept with it: a resume must match each."""
+        return {"model": self.model, "strategy": self.strategy, "nproc": self.nproc, "tp": self.tp, "pp": self.pp,
+                "cp": self.cp, "ep": self.ep, "dp": self.data_parallel, "interleave": self.interleave,
+                "schedule": self.schedule if self.pp > 1 else None, "bf16": self.bf16, "offload": self.offload}
 
     @property
     def microbatches(self) -> int:
@@ -262,7 +271,8 @@ def train(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progress=None) 
         if progress is not None:
             progress(step + 1, result.losses[-1], config.global_batch * config.seq / result.step_s[-1])
         if config.checkpoint_dir and _checkpoint_due(config, step):
-            checkpoint.save(config.checkpoint_dir, step + 1, rank, checkpoint.trainer_state(rank, wrapped, optimizer))
+            checkpoint.save(config.checkpoint_dir, step + 1, rank, checkpoint.trainer_state(rank, wrapped, optimizer),
+                            config.checkpoint_fields)
     steps_run = max(1, config.steps - start)
     result.wire_bytes_per_step = {op: v["bytes_sent"] / steps_run for op, v in log.as_dict().items()}
     if config.steps > start:
@@ -331,7 +341,7 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
         if progress is not None:
             progress(step + 1, loss, config.global_batch * config.seq / result.step_s[-1])
         if config.checkpoint_dir and _checkpoint_due(config, step):
-            checkpoint.save(config.checkpoint_dir, step + 1, rank, state())
+            checkpoint.save(config.checkpoint_dir, step + 1, rank, state(), config.checkpoint_fields)
     if config.timeline and executed is not None and rank.rank == 0:
         if config.timeline.endswith(".png"):
             render_png(pipeline.schedule, executed, config.timeline, "seconds")
