@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -106,6 +107,23 @@ def test_resume_from_a_damaged_checkpoint(tiny, tmp_path, capsys, monkeypatch):
     result = mlsys("train", "--model-spec", str(tiny), "--nproc", "2", "--global-batch", "4", "--seq", "32", "--json",
                    "--checkpoint-dir", str(tmp_path), "--resume")
     assert result.returncode == 1 and result.stdout == "" and "error: training failed" in result.stderr
+
+
+def test_two_nodes_train_as_one_process(tiny, single_process_losses):
+    """`--nnodes 2` as on a cluster, both "nodes" on this machine (torchrun's static rendezvous at --master-addr): node
+    0 reports one process's losses (data parallelism over the two nodes' ranks); node 1 says its ranks finished."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    args = ["train", "--model-spec", str(tiny), "--steps", "3", "--seq", "32", "--global-batch", "4", "--nproc", "1",
+            "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port, "--json"]
+    second = subprocess.Popen([sys.executable, "-m", "mlsyslab", *args, "--node-rank", "1"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    first = mlsys(*args, "--node-rank", "0")
+    out, err = second.communicate(timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert second.returncode == 0 and out == "" and "node 1 of 2: its ranks finished" in err, err
+    assert json.loads(first.stdout)["result"]["losses"] == pytest.approx(single_process_losses, rel=1e-5)
 
 
 def test_llama_catalog_model_that_nn_cannot_build_is_refused(capsys, monkeypatch):

@@ -88,10 +88,13 @@ def train_command(
             launch += [f"--master-addr={master_addr or '127.0.0.1'}", f"--master-port={master_port or 29500}"]
         launch += ["-m", "mlsyslab.train.worker", str(config_path), str(result_path)]
         finished = subprocess.run(launch, stdout=sys.stderr if json else None)
-        if finished.returncode != 0 or not result_path.exists():
+        if finished.returncode != 0 or (node_rank == 0 and not result_path.exists()):
             print(f"error: training failed (torchrun exit code {finished.returncode}; the ranks' errors are above)",
                   file=sys.stderr)
             raise typer.Exit(1)
+        if node_rank > 0:  # global rank 0, on node 0, measured the run and writes the report there
+            print(f"node {node_rank} of {nnodes}: its ranks finished; node 0 prints the report", file=sys.stderr)
+            return
         result = jsonlib.loads(result_path.read_text())
     compare = compare_mesh_training if config.on_mesh else compare_training
     comparison = compare(config, result, hw, assumptions)
