@@ -215,15 +215,20 @@ def twin_of(dtype: str, args) -> dict:
     """Weight bytes, and the predicted TPOT at each load (`serve.twin`, as `mlsys bench serve
     --hardware local` prints it; None before `mlsys calibrate`)."""
     from mlsyslab.cli.options import resolve_assumptions, resolve_hardware
-    from mlsyslab.serve.twin import predicted_tpot
+    from mlsyslab.errors import InvalidValue
+    from mlsyslab.serve.twin import check_calibration, predicted_tpot
     from mlsyslab.specs.catalog import LOCAL_HARDWARE
 
     model, _, name = load_pretrained("default", dtype)
     tpot = dict.fromkeys(args.loads)
     if LOCAL_HARDWARE.exists():
         hardware, measured = resolve_hardware("local", None, dtype)
-        tpot = {load: predicted_tpot(model, name, hardware, resolve_assumptions(None, measured), load,
-                                     args.prompt_tokens, args.output_tokens) for load in args.loads}
+        try:
+            check_calibration(hardware)
+            tpot = {load: predicted_tpot(model, name, hardware, resolve_assumptions(None, measured), load,
+                                         args.prompt_tokens, args.output_tokens) for load in args.loads}
+        except InvalidValue as error:  # a spec per rank of the trainer's ranks
+            print(f"no predicted TPOT: {error}")
     return {"weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()), "tpot_s": tpot}
 
 

@@ -39,3 +39,34 @@ def test_the_engine_twin_counts_its_kernels_per_layer():
     single, batched = kernels_per_decode_layer(torch.float32, 1), kernels_per_decode_layer(torch.float32, 3)
     assert 40 <= single <= 150 and single == int(single)
     assert batched > single
+
+
+def test_the_twin_counts_one_host_call_a_step_where_the_streamed_step_decodes():
+    """A model whose head size the paged kernel serves decodes in one C++ call a step (`nn.fused_decode`) under
+    `streamed_below` rows: no per-layer kernels to pay for; where that step does not apply, the counted ones."""
+    import torch
+
+    from mlsyslab.nn import cpu_kernels
+    from mlsyslab.nn.llama import Llama, LlamaConfig
+    from mlsyslab.nn.packed_linear import streamed_below
+    from mlsyslab.serve.twin import host_kernels_per_layer, kernels_per_decode_layer
+
+    config = LlamaConfig(vocab=64, hidden=128, layers=4, heads=2, kv_heads=1, head_dim=64, ffn_hidden=128, max_seq=64)
+    model = Llama(config)
+    if cpu_kernels.serves_attention(torch.device("cpu"), torch.float32, 64):
+        assert host_kernels_per_layer(model, 1) == 1 / 4
+    else:
+        assert host_kernels_per_layer(model, 1) == kernels_per_decode_layer(torch.float32, 1)
+    wide = streamed_below(torch.float32)
+    if wide < 1_000:
+        assert host_kernels_per_layer(model, int(wide)) == kernels_per_decode_layer(torch.float32, int(wide))
+
+
+def test_the_twin_refuses_a_spec_measured_per_rank_of_several():
+    from mlsyslab.cli.options import resolve_hardware
+    from mlsyslab.errors import InvalidValue
+    from mlsyslab.serve.twin import check_calibration
+
+    hardware, _ = resolve_hardware("h100", None, "bf16")  # 8 accelerators a node, as 8 ranks would measure
+    with pytest.raises(InvalidValue, match="calibrate --nproc 1"):
+        check_calibration(hardware)

@@ -256,6 +256,10 @@ def bench_serve_command(
     if url is not None and hardware is not None:
         raise InvalidValue("--hardware", hardware, "only without --url (the prediction is of this engine)")
     twin = resolve_hardware(hardware, None, dtype) if hardware is not None else None
+    if twin is not None and hardware == "local":
+        from mlsyslab.serve.twin import check_calibration
+
+        check_calibration(twin[0])
     if url is not None:
         if prefix_ablation:
             raise InvalidValue("--prefix-ablation", True, "only without --url (it restarts our own server)")

@@ -2,15 +2,16 @@
 
 ITL = max(FLOP / peak, (weights + KV read) / bandwidth) + kernels · host time per kernel, on the
 hardware spec `mlsys calibrate --nproc 1 --threads <cores>` measured (peak, copy bandwidth, time per
-eager kernel). What is this engine's own is counted, not assumed: the kernels one decoder layer
-launches in a decode step are counted under a `TorchDispatchMode` on tiny models of 2 and 4 layers of
-the same dtype, and the KV cache dtype is the engine's (`serve.engine.kv_cache_dtype`).
-Not modelled: prefill chunks that share a step with decodes (they lengthen the measured TPOT at
-high concurrency), the GEMV kernels reaching less than the copy bandwidth, and the C++ decode path:
-the tiny models' head size (8) takes the PyTorch layers, so the count is theirs, while a served
-model whose kernels apply runs each decode step's layers in one C++ call (`nn.fused_decode`) and pays
-far less host time than the count implies. Used by
-`mlsys bench serve --hardware` and benchmarks/serve.py; tested in tests/predict/test_inference_twin.py.
+eager kernel); a spec measured per rank of several ranks (the trainer's) is refused (`check_calibration`): its
+bandwidth is a share of the machine's. What is this engine's own is counted, not assumed: where its streamed C++
+step runs the decode (`nn.fused_decode`: the paged kernel serves the head size, and the step has fewer rows than
+`packed_linear.streamed_below`) the host pays one call a step; elsewhere the kernels one decoder layer launches
+are counted under a `TorchDispatchMode` on tiny models of 2 and 4 layers of the same dtype (their head size, 8,
+takes the PyTorch layers; the per-op C++ step launches fewer). The KV cache dtype is the engine's
+(`serve.engine.kv_cache_dtype`). Not modelled: prefill chunks that share a step with decodes (they lengthen the
+measured TPOT at high concurrency), the products streaming below the copy bandwidth and the barriers between them
+(benchmarks/README.md: the batch-1 step reaches 73-93% of the roofline here). Used by `mlsys bench serve
+--hardware` and benchmarks/serve.py; tested in tests/predict/test_inference_twin.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mlsyslab.errors import InvalidValue
+from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.llama import Llama, LlamaConfig
+from mlsyslab.nn.packed_linear import streamed_below
 from mlsyslab.nn.pretrained import DTYPES
 from mlsyslab.predict.assumptions import Assumptions
 from mlsyslab.predict.inference import predict_inference
@@ -32,10 +36,28 @@ def predicted_tpot(model: Llama, name: str, hardware, assumptions: Assumptions, 
     parameter = next(model.parameters())
     spec = model.config.to_spec(name, sum(p.numel() for p in model.parameters()), "the loaded model's config")
     kv = {torch_dtype: label for label, torch_dtype in DTYPES.items()}[kv_cache_dtype(parameter, model.config.head_dim)]
-    counted = assumptions.override({"kernels_per_layer": kernels_per_decode_layer(parameter.dtype, concurrency)})
+    counted = assumptions.override({"kernels_per_layer": host_kernels_per_layer(model, concurrency)})
     prediction = predict_inference(spec, hardware, concurrency, prompt_tokens, output_tokens, kv_dtype=kv,
                                    assumptions=counted)
     return float(prediction.itl_s)
+
+
+def check_calibration(hardware) -> None:
+    """Raise unless `hardware` was measured as this engine runs: one process on every core."""
+    if hardware.accelerators_per_node != 1:
+        raise InvalidValue("--hardware", "local", "a spec from `mlsys calibrate --nproc 1 --threads <cores>`, as the "
+                           f"engine runs (this one was measured per rank of {hardware.accelerators_per_node} ranks "
+                           "running at once: a share of the machine's bandwidth)")
+
+
+def host_kernels_per_layer(model: Llama, concurrency: int) -> float:
+    """Host-side launches a decode step of `concurrency` rows pays per layer: one C++ call for the whole step where
+    the engine's streamed step takes it, else the PyTorch layers' kernels, counted."""
+    parameter = next(model.parameters())
+    if (cpu_kernels.serves_attention(parameter.device, parameter.dtype, model.config.head_dim)
+            and concurrency < streamed_below(parameter.dtype)):
+        return 1 / model.config.layers
+    return kernels_per_decode_layer(parameter.dtype, concurrency)
 
 
 def kernels_per_decode_layer(dtype: torch.dtype, concurrency: int = 1) -> float:
@@ -55,8 +77,8 @@ class _KernelCount(TorchDispatchMode):
 
 
 def _decode_step_kernels(layers: int, dtype: torch.dtype, concurrency: int) -> int:
-    config = LlamaConfig(vocab=64, hidden=32, layers=layers, heads=4, kv_heads=2, head_dim=8, ffn_hidden=64,
-                         max_seq=64)
+    config = LlamaConfig(vocab=concurrency + 64, hidden=32, layers=layers, heads=4, kv_heads=2, head_dim=8,
+                         ffn_hidden=64, max_seq=concurrency + 64)  # sequence i's prompt: ids 1..i + 2
     model = Llama(config).initialize(generator=torch.Generator().manual_seed(0)).to(dtype).eval()
     engine = Engine(model, None, EngineConfig(kv_cache_bytes=4_000_000), eos_token_ids=frozenset())
     for index in range(concurrency):
