@@ -166,7 +166,9 @@ def structured_output(json_schema: str | None, regex: str | None):
         return StructuredOutput("regex", regex)
     if json_schema is None:
         return None
-    text = Path(json_schema).read_text() if json_schema.endswith(".json") and Path(json_schema).is_file() else json_schema
+    if json_schema.endswith(".json") and not Path(json_schema).is_file():
+        raise InvalidValue("--json-schema", json_schema, "inline JSON, or the path of an existing .json file")
+    text = Path(json_schema).read_text() if json_schema.endswith(".json") else json_schema
     try:
         schema = json.loads(text)
     except json.JSONDecodeError as error:
