@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from mlsyslab.train.trainer import TrainConfig
 from tests.cli.test_cli import run
 
 TINY = """name: llama-tiny
@@ -77,7 +78,8 @@ def mlsys(*args, **kwargs):
     (["--tp", "2", "--seq", "33", "--sequence-parallel"], "sequence_parallel"),  # 33 tokens do not split over TP 2
     (["--timeline", "timeline.png"], "timeline"),  # no pipeline to draw
     (["--pp", "2", "--timeline", "timeline.svg"], "timeline"),
-    (["--lr", "-1"], "lr"), (["--lr", "nan"], "lr"),
+    (["--lr", "-1"], "lr"), (["--lr", "nan"], "lr"), (["--lr-schedule", "linear"], "lr_schedule"),
+    (["--steps", "10", "--warmup-steps", "11"], "warmup_steps"), (["--min-lr-ratio", "2"], "min_lr_ratio"),
     (["--checkpoint-every", "-1"], "checkpoint_every"),
     (["--schedule", "bogus"], "schedule"),  # without --pp too
     (["--schedule", "interleaved", "--interleave", "2"], "interleave"),  # no pipeline to interleave
@@ -124,6 +126,48 @@ def test_two_nodes_train_as_one_process(tiny, single_process_losses):
     assert first.returncode == 0, first.stderr
     assert second.returncode == 0 and out == "" and "node 1 of 2: its ranks finished" in err, err
     assert json.loads(first.stdout)["result"]["losses"] == pytest.approx(single_process_losses, rel=1e-5)
+
+
+def test_cosine_schedule_with_warmup_is_the_formula():
+    config = TrainConfig(model={}, steps=10, lr=1e-3, lr_schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
+    lrs = [config.lr_at(step) for step in range(10)]
+    assert lrs[:3] == pytest.approx([5e-4, 1e-3, 1e-3]) and lrs[-1] == pytest.approx(1e-4)
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))  # decays after the warmup
+    halfway = TrainConfig(model={}, steps=11, lr=1e-3, lr_schedule="cosine", min_lr_ratio=0.0).lr_at(5)
+    assert halfway == pytest.approx(5e-4)  # cos(pi/2): half the way down
+    assert TrainConfig(model={}, steps=4, lr=1e-3, warmup_steps=4).lr_at(3) == 1e-3  # constant once warm
+
+
+SCHEDULE = ("--steps", "4", "--lr", "1e-3", "--lr-schedule", "cosine", "--warmup-steps", "2")
+
+
+@pytest.fixture(scope="module")
+def scheduled(tiny):
+    """One process's run under a warmed-up cosine schedule."""
+    return _train_json(tiny, "--nproc", "1", *SCHEDULE)["result"]
+
+
+def test_the_schedule_sets_each_steps_learning_rate(tiny, scheduled):
+    """Each step's learning rate is the schedule's, on the optimizer: the losses follow a constant rate's for the
+    first step and leave it from the second (the first update was at half the rate)."""
+    constant = _train_json(tiny, "--nproc", "1", "--steps", "4", "--lr", "1e-3")["result"]
+    assert scheduled["lrs"] == pytest.approx([5e-4, 1e-3, 1e-3, 1e-4]) and constant["lrs"] == [1e-3] * 4
+    assert scheduled["losses"][0] == constant["losses"][0] and scheduled["losses"][1] != constant["losses"][1]
+
+
+@pytest.mark.slow  # CI time: the data-parallel trainer's path is the one-process run's
+def test_the_schedule_is_the_same_under_ddp_and_on_a_mesh(tiny, scheduled):
+    for layout in ((), ("--tp", "2")):
+        run = _train_json(tiny, *layout, *SCHEDULE)["result"]
+        assert run["lrs"] == scheduled["lrs"] and run["losses"] == pytest.approx(scheduled["losses"], rel=1e-5), layout
+
+
+@pytest.mark.slow
+def test_a_scheduled_run_resumes_where_its_schedule_was(tiny, tmp_path):
+    whole = _train_json(tiny, *SCHEDULE, "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2")["result"]
+    shutil.rmtree(tmp_path / "step_00000004")
+    resumed = _train_json(tiny, *SCHEDULE, "--checkpoint-dir", str(tmp_path), "--resume")["result"]
+    assert resumed["first_step"] == 2 and resumed["lrs"] == whole["lrs"][2:] and resumed["losses"] == whole["losses"][2:]
 
 
 def test_llama_catalog_model_that_nn_cannot_build_is_refused(capsys, monkeypatch):

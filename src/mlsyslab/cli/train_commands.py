@@ -24,7 +24,11 @@ def train_command(
     seq: Annotated[int, typer.Option(help="tokens per sequence")] = 128,
     global_batch: Annotated[int, typer.Option("--global-batch", help="sequences per step, all ranks")] = 8,
     micro_batch: Annotated[Optional[int], typer.Option("--micro-batch", help="sequences per microbatch per rank")] = None,
-    lr: Annotated[float, typer.Option(help="AdamW learning rate")] = 3e-4,
+    lr: Annotated[float, typer.Option(help="AdamW learning rate (the peak, after any warmup)")] = 3e-4,
+    lr_schedule: Annotated[str, typer.Option("--lr-schedule", help="constant, or cosine: decay to --min-lr-ratio · lr "
+                                             "at the last step")] = "constant",
+    warmup_steps: Annotated[int, typer.Option("--warmup-steps", help="linear warmup to --lr over these steps")] = 0,
+    min_lr_ratio: Annotated[float, typer.Option("--min-lr-ratio", help="cosine's floor, a fraction of --lr")] = 0.1,
     bf16: Annotated[bool, typer.Option("--bf16", help="bf16 compute and communication: fp32 master weights "
                                                       "under ZeRO, bf16 weights under DDP")] = False,
     offload: Annotated[bool, typer.Option("--offload", help="optimizer state and step on the CPU (ZeRO)")] = False,
@@ -60,7 +64,8 @@ def train_command(
     _check_launch(nproc, nnodes, node_rank, master_port)
     spec = resolve_model(model, model_spec)
     config = TrainConfig(model=spec.model_dump(), strategy=strategy, nproc=nproc * nnodes, steps=steps, seq=seq,
-                         global_batch=global_batch, micro_batch=1, lr=lr, bf16=bf16, offload=offload, seed=seed,
+                         global_batch=global_batch, micro_batch=1, lr=lr, lr_schedule=lr_schedule,
+                         warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, bf16=bf16, offload=offload, seed=seed,
                          checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
                          checkpoint_every=checkpoint_every, resume=resume, tp=tp, pp=pp, cp=cp, ep=ep, dp=dp,
                          schedule=schedule, interleave=interleave, timeline=str(timeline.resolve()) if timeline else None,

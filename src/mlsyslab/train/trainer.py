@@ -6,7 +6,9 @@ steps of `global_batch` sequences: its share split into microbatches whose gradi
 checkpoint (train/checkpoint.py); with `resume` it continues from the newest complete one, seeing the
 very batches the uninterrupted run would have. It measures what predict states: bytes held per
 category (from the tensors), activations saved for backward, bytes sent per op (the CommLog), and
-the time per step. Launched by `mlsys train` through torchrun (train/worker.py).
+the time per step. Launched by `mlsys train` through torchrun (train/worker.py). AdamW's learning rate is
+set before each step, constant or warmed up and cosine-decayed (`TrainConfig.lr_at`), on every optimizer the rank
+steps, in both trainers; the report lists each step's.
 
 With --tp / --pp / --cp > 1 the same loop runs `parallel.mesh.composed_step` on a device mesh
 (DP × PP × CP × TP, with EP inside DP; `train_on_mesh`) and measures the bytes each dimension sends, the
@@ -58,6 +60,7 @@ from mlsyslab.train import checkpoint
 from mlsyslab.train.data import TokenBatches
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass
@@ -69,7 +72,10 @@ class TrainConfig:
     seq: int = 128
     global_batch: int = 8
     micro_batch: int = 2  # sequences per microbatch per rank
-    lr: float = 3e-4
+    lr: float = 3e-4  # the peak, after any warmup
+    lr_schedule: str = "constant"  # or "cosine": decay to min_lr_ratio · lr at the last step (`lr_at`)
+    warmup_steps: int = 0  # linear warmup to lr over the first steps
+    min_lr_ratio: float = 0.1
     bf16: bool = False
     offload: bool = False
     seed: int = 0
@@ -114,6 +120,12 @@ class TrainConfig:
                 raise InvalidValue(name, getattr(self, name), "an integer >= 1")
         if not (math.isfinite(self.lr) and self.lr >= 0):
             raise InvalidValue("lr", self.lr, "a finite number >= 0")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise InvalidValue("lr_schedule", self.lr_schedule, ", ".join(LR_SCHEDULES))
+        if not 0 <= self.warmup_steps <= self.steps:
+            raise InvalidValue("warmup_steps", self.warmup_steps, f"0..{self.steps} (--steps)")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise InvalidValue("min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
         if self.checkpoint_every < 0:
             raise InvalidValue("checkpoint_every", self.checkpoint_every, "an integer >= 0 (0: at the end only)")
         if self.schedule not in SCHEDULES:
@@ -180,6 +192,19 @@ class TrainConfig:
             raise InvalidValue("schedule", self.schedule, "gpipe, 1f1b or interleaved; pipedream on a pipeline alone "
                                "(--dp/--tp/--cp/--ep 1, --strategy ddp) and a model with untied embeddings")
 
+    def lr_at(self, step: int) -> float:
+        """The learning rate of update `step` (0-based): linear warmup to `lr` over `warmup_steps` updates, then
+        constant, or a cosine decay reaching min_lr_ratio · lr at the last step (the schedule of Llama's and
+        Chinchilla's runs: Touvron et al. 2023, Hoffmann et al. 2022). A function of the step alone, so a resumed run
+        takes up the schedule where it stopped."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.lr_schedule == "constant":
+            return self.lr
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.steps - 1 - self.warmup_steps))
+        low = self.min_lr_ratio * self.lr
+        return low + (self.lr - low) * 0.5 * (1 + math.cos(math.pi * progress))
+
     @property
     def checkpoint_fields(self) -> dict:
         """What decides a checkpoint's keys and shapes, kept with it: a resume must match each."""
@@ -195,6 +220,7 @@ class TrainConfig:
 @dataclass
 class TrainResult:
     losses: list = field(default_factory=list)  # mean over ranks, per step run in this process
+    lrs: list = field(default_factory=list)  # the learning rate of each of those steps
     first_step: int = 0
     step_s: list = field(default_factory=list)
     parameters: int = 0
@@ -209,6 +235,14 @@ class TrainResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def set_lr(optimizers: list, lr: float) -> float:
+    """Every param group of `optimizers` at `lr` for the coming update(s); returns lr."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+    return lr
 
 
 def build_model(config: TrainConfig, dtype: torch.dtype) -> Llama:
@@ -251,6 +285,7 @@ def train(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progress=None) 
     meter = ActivationMeter()
     for step in range(start, config.steps):
         began = time.perf_counter()
+        result.lrs.append(set_lr([optimizer], config.lr_at(step)))
         inputs, targets = data.step(step, rank.rank, rank.world_size)
         total = torch.zeros(())
         for micro, (x, y) in enumerate(zip(inputs.split(config.micro_batch), targets.split(config.micro_batch))):
@@ -318,6 +353,7 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
     bubbles, executed, meter = [], None, ActivationMeter()
     for step in range(start, config.steps):
         began = time.perf_counter()
+        result.lrs.append(set_lr([z.optimizer for z in zeros] or [optimizer], config.lr_at(step)))
         inputs, targets = data.step(step, 0, 1)  # the global batch: composed_step shards it
         measure = meter if step == start else None  # the activations held at once, in the first step run
         if config.schedule == "pipedream":  # the stages stepped the optimizer after every backward
