@@ -105,6 +105,43 @@ def test_zero_wire_bytes_equal_predict():
             assert total == pytest.approx(STEPS * (3 if stage == 3 else 2) * (world - 1) / world * message)
 
 
+MAX_NORM = 0.05  # under the TinyLM's gradient norms (~0.2-1), so every step clips
+
+
+def _clipped(rank):
+    """Each stage stepping with `max_grad_norm`: its parameters and the norms it saw."""
+    runs = {}
+    for stage in (1, 2, 3):
+        model = TinyLM(seed=rank.rank)
+        zero = ZeroDataParallel(model, rank, stage, adam, bucket_bytes=3_000)
+        norms = []
+        train_loop(zero, lambda: norms.append(zero.step(MAX_NORM)), zero.zero_grad, STEPS, ACCUMULATE, rank,
+                   zero.no_sync)
+        runs[stage] = _full_parameters(zero, model), norms
+    return runs
+
+
+def test_zero_clips_by_the_global_norm_as_torch_does_on_one_process():
+    """The shards' squared norms summed over the ranks give the whole gradient's norm, and every slice is scaled as
+    torch's clip_grad_norm_ scales the whole model's on one process."""
+    model = TinyLM()
+    optimizer, norms = adam(model.parameters()), []
+
+    def step():
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        optimizer.step()
+
+    train_loop(model, step, optimizer.zero_grad, STEPS, ACCUMULATE)
+    assert min(norms) > MAX_NORM  # the reference clipped every step
+    reference = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    unclipped, _ = train_single(STEPS, adam, ACCUMULATE)
+    assert max(float((reference[k] - unclipped[k]).abs().max()) for k in reference) > 1e-4
+    for runs in spawn(_clipped, 2, timeout_s=180):
+        for stage, (full, seen) in runs.items():
+            assert seen == pytest.approx(norms, rel=1e-5), stage
+            assert_close_to(full, reference)
+
+
 def _with_pytorch_peers(rank):
     """Ours (stage 1 and 3) beside PyTorch's ZeroRedundancyOptimizer and FSDP2 on the same data."""
     from torch.distributed.device_mesh import init_device_mesh

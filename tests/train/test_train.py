@@ -80,6 +80,7 @@ def mlsys(*args, **kwargs):
     (["--pp", "2", "--timeline", "timeline.svg"], "timeline"),
     (["--lr", "-1"], "lr"), (["--lr", "nan"], "lr"), (["--lr-schedule", "linear"], "lr_schedule"),
     (["--steps", "10", "--warmup-steps", "11"], "warmup_steps"), (["--min-lr-ratio", "2"], "min_lr_ratio"),
+    (["--clip-grad-norm", "-1"], "clip_grad_norm"), (["--tp", "2", "--clip-grad-norm", "1"], "clip_grad_norm"),
     (["--checkpoint-every", "-1"], "checkpoint_every"),
     (["--schedule", "bogus"], "schedule"),  # without --pp too
     (["--schedule", "interleaved", "--interleave", "2"], "interleave"),  # no pipeline to interleave
@@ -160,6 +161,21 @@ def test_the_schedule_is_the_same_under_ddp_and_on_a_mesh(tiny, scheduled):
     for layout in ((), ("--tp", "2")):
         run = _train_json(tiny, *layout, *SCHEDULE)["result"]
         assert run["lrs"] == scheduled["lrs"] and run["losses"] == pytest.approx(scheduled["losses"], rel=1e-5), layout
+
+
+def test_clipping_under_zero_follows_one_process_and_its_norm_goes_on_the_wire(tiny):
+    """--clip-grad-norm: one process clips with torch's clip_grad_norm_, ZeRO-2 from its shards (one all-reduce of
+    the squared norm, in the wire table as predict counts it); both report each step's norm and the same losses."""
+    clip = ("--steps", "3", "--lr", "1e-2", "--clip-grad-norm", "0.5")
+    single = _train_json(tiny, "--nproc", "1", *clip)["result"]
+    sharded = _train_json(tiny, "--strategy", "zero2", *clip)
+    assert min(single["grad_norms"]) > 0.5  # every step clipped
+    # torch's clip_grad_norm_ takes each tensor's norm with vector_norm in fp32, which over millions of elements is
+    # off by up to ~5e-5 (a sum of squares is within 1e-8 here): the two norms agree to that, not to the float
+    assert sharded["result"]["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-4)
+    assert sharded["result"]["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    norm = sharded["predicted_vs_measured"]["wire_bytes_per_step"]["all_reduce"]
+    assert norm["measured"] == norm["predicted"] == 4  # one fp32, ring all-reduce over 2 ranks
 
 
 @pytest.mark.slow

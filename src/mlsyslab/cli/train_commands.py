@@ -29,6 +29,8 @@ def train_command(
                                              "at the last step")] = "constant",
     warmup_steps: Annotated[int, typer.Option("--warmup-steps", help="linear warmup to --lr over these steps")] = 0,
     min_lr_ratio: Annotated[float, typer.Option("--min-lr-ratio", help="cosine's floor, a fraction of --lr")] = 0.1,
+    clip_grad_norm: Annotated[float, typer.Option("--clip-grad-norm", help="clip the gradient to this global L2 norm "
+                                                  "before each update (0: off; DDP and ZeRO)")] = 0.0,
     bf16: Annotated[bool, typer.Option("--bf16", help="bf16 compute and communication: fp32 master weights "
                                                       "under ZeRO, bf16 weights under DDP")] = False,
     offload: Annotated[bool, typer.Option("--offload", help="optimizer state and step on the CPU (ZeRO)")] = False,
@@ -65,7 +67,8 @@ def train_command(
     spec = resolve_model(model, model_spec)
     config = TrainConfig(model=spec.model_dump(), strategy=strategy, nproc=nproc * nnodes, steps=steps, seq=seq,
                          global_batch=global_batch, micro_batch=1, lr=lr, lr_schedule=lr_schedule,
-                         warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, bf16=bf16, offload=offload, seed=seed,
+                         warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, clip_grad_norm=clip_grad_norm,
+                         bf16=bf16, offload=offload, seed=seed,
                          checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
                          checkpoint_every=checkpoint_every, resume=resume, tp=tp, pp=pp, cp=cp, ep=ep, dp=dp,
                          schedule=schedule, interleave=interleave, timeline=str(timeline.resolve()) if timeline else None,

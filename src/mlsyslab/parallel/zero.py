@@ -18,7 +18,9 @@ machine this moves nothing physically; the accounting still separates host from 
 
 Twin: predict.memory.model_state_bytes (held to the byte in tests/parallel/test_zero.py, with
 padding), predict.collectives ring bytes for the wire.
-Not done: gradient clipping across shards and loss scaling for fp16 (bf16 needs none).
+`step(max_grad_norm)` clips by the global gradient norm as torch's `clip_grad_norm_` would over the whole model:
+each rank sums the squares of its slices' gradients, one all-reduce of that scalar gives the norm, and every slice is
+scaled by min(1, max / (norm + 1e-6)) — the shards never gathered. Not done: loss scaling for fp16 (bf16 needs none).
 """
 
 from contextlib import contextmanager
@@ -111,12 +113,16 @@ class ZeroDataParallel(nn.Module):
             bucket.finish_reduce()
 
     @torch.no_grad()
-    def step(self) -> None:
-        """Optimizer step on this rank's slices, then all-gather the updated parameters (stages 1, 2)."""
+    def step(self, max_grad_norm: float = 0.0) -> float | None:
+        """Optimizer step on this rank's slices, then all-gather the updated parameters (stages 1, 2). With
+        `max_grad_norm` > 0 the gradients are first clipped to that global norm; returns the norm before (else None)."""
         gradients = self.partition.shard_gradients() if self.stage == 3 else [b.slice_grad for b in self.buckets]
         slices = self.partition.shards if self.stage == 3 else [b.slice for b in self.buckets]
+        norm = self._global_norm(gradients) if max_grad_norm > 0 else None
         for master, gradient in zip(self.masters, gradients):
             master.grad = torch.zeros_like(master) if gradient is None else gradient.to(master.device, master.dtype)
+            if norm is not None:
+                master.grad.mul_(min(1.0, max_grad_norm / (norm + 1e-6)))
         self.optimizer.step()
         for master, piece in zip(self.masters, slices):
             if master is not piece:
@@ -124,6 +130,17 @@ class ZeroDataParallel(nn.Module):
         if self.stage < 3:
             for bucket in self.buckets:
                 bucket.gather_parameters(self.log)
+        return norm
+
+    def _global_norm(self, gradients: list) -> float:
+        """The L2 norm of the whole model's gradient, from every rank's slices (padding is zeros)."""
+        squares = torch.zeros((), dtype=torch.float32, device=self.rank.device)
+        for gradient in gradients:
+            if gradient is not None:
+                squares += gradient.float().pow(2).sum()
+        traced(self.log, "all_reduce", nbytes(squares), self.rank.world_size, dist.all_reduce, squares,
+               group=self.rank.group)
+        return squares.sqrt().item()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

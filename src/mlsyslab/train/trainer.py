@@ -8,7 +8,10 @@ very batches the uninterrupted run would have. It measures what predict states: 
 category (from the tensors), activations saved for backward, bytes sent per op (the CommLog), and
 the time per step. Launched by `mlsys train` through torchrun (train/worker.py). AdamW's learning rate is
 set before each step, constant or warmed up and cosine-decayed (`TrainConfig.lr_at`), on every optimizer the rank
-steps, in both trainers; the report lists each step's.
+steps, in both trainers; the report lists each step's. --clip-grad-norm clips the gradient to a global L2 norm
+before each update in the data-parallel trainer (DDP: torch's clip_grad_norm_ on its whole gradients; ZeRO: from the
+shards, `ZeroDataParallel.step`), reporting each step's norm; the mesh trainer refuses it (a norm over TP, PP, CP
+and EP shards is not built).
 
 With --tp / --pp / --cp > 1 the same loop runs `parallel.mesh.composed_step` on a device mesh
 (DP × PP × CP × TP, with EP inside DP; `train_on_mesh`) and measures the bytes each dimension sends, the
@@ -76,6 +79,7 @@ class TrainConfig:
     lr_schedule: str = "constant"  # or "cosine": decay to min_lr_ratio · lr at the last step (`lr_at`)
     warmup_steps: int = 0  # linear warmup to lr over the first steps
     min_lr_ratio: float = 0.1
+    clip_grad_norm: float = 0.0  # > 0: clip the gradient to this global L2 norm before each update (data-parallel trainer)
     bf16: bool = False
     offload: bool = False
     seed: int = 0
@@ -126,6 +130,11 @@ class TrainConfig:
             raise InvalidValue("warmup_steps", self.warmup_steps, f"0..{self.steps} (--steps)")
         if not 0 <= self.min_lr_ratio <= 1:
             raise InvalidValue("min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
+        if not (math.isfinite(self.clip_grad_norm) and self.clip_grad_norm >= 0):
+            raise InvalidValue("clip_grad_norm", self.clip_grad_norm, "a finite number >= 0 (0: off)")
+        if self.clip_grad_norm and self.on_mesh:
+            raise InvalidValue("clip_grad_norm", self.clip_grad_norm, "0 on the mesh trainer (--tp/--pp/--cp/--ep or an "
+                               "MoE model): its norm over TP, PP, CP and EP shards is not built; DDP and ZeRO clip")
         if self.checkpoint_every < 0:
             raise InvalidValue("checkpoint_every", self.checkpoint_every, "an integer >= 0 (0: at the end only)")
         if self.schedule not in SCHEDULES:
@@ -221,6 +230,7 @@ class TrainConfig:
 class TrainResult:
     losses: list = field(default_factory=list)  # mean over ranks, per step run in this process
     lrs: list = field(default_factory=list)  # the learning rate of each of those steps
+    grad_norms: list = field(default_factory=list)  # with clip_grad_norm: each step's gradient norm before clipping
     first_step: int = 0
     step_s: list = field(default_factory=list)
     parameters: int = 0
@@ -265,7 +275,13 @@ def train(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progress=None) 
             model = model.to(torch.bfloat16)
         wrapped = DataParallel(model, rank, config.bucket_bytes, log)
         optimizer = optimizer_factory(wrapped.parameters())
-        step_fn, zero_grad = optimizer.step, lambda: optimizer.zero_grad(set_to_none=True)
+
+        def step_fn():  # DDP's gradients are whole and the same on every rank: torch's clipping as on one process
+            norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), config.clip_grad_norm).item() \
+                if config.clip_grad_norm else None
+            optimizer.step()
+            return norm
+        zero_grad = lambda: optimizer.zero_grad(set_to_none=True)  # noqa: E731
         state_tensors = lambda: plain_model_state_tensors(model, optimizer)  # noqa: E731
         padded = sum(p.numel() for p in model.parameters())
     else:
@@ -273,7 +289,8 @@ def train(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progress=None) 
                                    offload=config.offload, bucket_bytes=config.bucket_bytes, log=log,
                                    units=list(model.layers))  # ZeRO-3 gathers one decoder layer at a time
         optimizer = wrapped.optimizer
-        step_fn, zero_grad, state_tensors = wrapped.step, wrapped.zero_grad, wrapped.model_state_tensors
+        step_fn = lambda: wrapped.step(config.clip_grad_norm)  # noqa: E731
+        zero_grad, state_tensors = wrapped.zero_grad, wrapped.model_state_tensors
         padded = wrapped.padded_numel
     start = 0
     if config.resume:
@@ -296,7 +313,9 @@ def train(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progress=None) 
                 loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
                 (loss / config.microbatches).backward()
             total += loss.detach() / config.microbatches
-        step_fn()
+        norm = step_fn()
+        if norm is not None:
+            result.grad_norms.append(norm)
         if step == config.steps - 1:
             held = model_state_bytes(state_tensors())
         zero_grad()

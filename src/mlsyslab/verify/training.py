@@ -27,14 +27,18 @@ def run_dtype(config) -> tuple[str, float]:
     return dtype, DTYPE_BYTES[dtype]
 
 
-def predicted_wire_bytes(strategy: str, padded_params: int, world: int, microbatches: int, element_bytes: int) -> dict:
+def predicted_wire_bytes(strategy: str, padded_params: int, world: int, microbatches: int, element_bytes: int,
+                         clipped: bool = False) -> dict:
+    """Bytes each rank sends per step, by op; with `clipped`, ZeRO's all-reduce of the squared gradient norm (one
+    fp32) too."""
     message = padded_params * element_bytes
     shard = float(ring_shard_bytes_per_rank(message, world))
     if strategy == "ddp":
         return {"all_reduce": float(ring_all_reduce_bytes_per_rank(message, world))}
     gathers = {"zero1": 1, "zero2": 1, "zero3": 2 * microbatches}[strategy]
     scatters = {"zero1": 1, "zero2": microbatches, "zero3": microbatches}[strategy]
-    return {"reduce_scatter": scatters * shard, "all_gather": gathers * shard}
+    norm = {"all_reduce": float(ring_all_reduce_bytes_per_rank(4, world))} if clipped else {}
+    return {"reduce_scatter": scatters * shard, "all_gather": gathers * shard, **norm}
 
 
 def compare_training(config, result: dict, hardware: Hardware | None = None,
@@ -52,7 +56,8 @@ def compare_training(config, result: dict, hardware: Hardware | None = None,
     predicted_memory = {"weights": weights, "gradients": gradients, "optimizer": optimizer, "host_offload": host,
                         "activations": activations}
     measured_memory = {**result["held_bytes"], "activations": result["activation_bytes"]}
-    wire = predicted_wire_bytes(config.strategy, padded, config.nproc, config.microbatches, width)
+    wire = predicted_wire_bytes(config.strategy, padded, config.nproc, config.microbatches, width,
+                                bool(config.clip_grad_norm))
     report = {
         "memory_bytes": {k: _pair(predicted_memory[k], measured_memory.get(k, 0)) for k in predicted_memory},
         "wire_bytes_per_step": {op: _pair(wire.get(op, 0.0), result["wire_bytes_per_step"].get(op, 0.0))
