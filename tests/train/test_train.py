@@ -163,6 +163,7 @@ def test_the_schedule_is_the_same_under_ddp_and_on_a_mesh(tiny, scheduled):
         assert run["lrs"] == scheduled["lrs"] and run["losses"] == pytest.approx(scheduled["losses"], rel=1e-5), layout
 
 
+@pytest.mark.slow  # CI time: the mechanism against torch's clipping is in tests/parallel/test_zero.py
 def test_clipping_under_zero_follows_one_process_and_its_norm_goes_on_the_wire(tiny):
     """--clip-grad-norm: one process clips with torch's clip_grad_norm_, ZeRO-2 from its shards (one all-reduce of
     the squared norm, in the wire table as predict counts it); both report each step's norm and the same losses."""
