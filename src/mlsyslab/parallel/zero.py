@@ -119,10 +119,11 @@ class ZeroDataParallel(nn.Module):
         gradients = self.partition.shard_gradients() if self.stage == 3 else [b.slice_grad for b in self.buckets]
         slices = self.partition.shards if self.stage == 3 else [b.slice for b in self.buckets]
         norm = self._global_norm(gradients) if max_grad_norm > 0 else None
+        scale = None if norm is None else min(1.0, max_grad_norm / (norm + 1e-6))  # torch's clip_grad_norm_ factor
         for master, gradient in zip(self.masters, gradients):
             master.grad = torch.zeros_like(master) if gradient is None else gradient.to(master.device, master.dtype)
-            if norm is not None:
-                master.grad.mul_(min(1.0, max_grad_norm / (norm + 1e-6)))
+            if scale is not None:
+                master.grad.mul_(scale)
         self.optimizer.step()
         for master, piece in zip(self.masters, slices):
             if master is not piece:
