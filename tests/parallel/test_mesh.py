@@ -12,14 +12,18 @@ from mlsyslab.comm.launch import spawn
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, MixtureOfExperts, load_balancing_loss
+from mlsyslab.parallel.clipping import clip_gradients, piece_weights
 from mlsyslab.parallel.context import zigzag_indices
-from mlsyslab.parallel.mesh import MeshLayout, build_mesh, composed_step, prepare
+from mlsyslab.parallel.mesh import MeshLayout, build_mesh, composed_step, expert_parameters, prepare
 from mlsyslab.parallel.mesh_zero import MeshZero
+from mlsyslab.parallel.tensor import split_parameters
 
 CONFIG = LlamaConfig(vocab=64, hidden=32, layers=4, heads=4, kv_heads=2, head_dim=8, ffn_hidden=48, tied_embeddings=False,
                      max_seq=64)
 MOE = dataclasses.replace(CONFIG, experts=4, experts_per_token=2, dense_layers=1)
+TIED, TIED_MOE = (dataclasses.replace(config, tied_embeddings=True) for config in (CONFIG, MOE))
 STEPS, BATCH, SEQ, MICROBATCHES = 10, 8, 16, 2
+CLIP_STEPS, MAX_NORM = 3, 0.5
 
 
 def _batch(step):
@@ -73,27 +77,31 @@ def _sgd(parameters):
     return torch.optim.SGD(list(parameters), lr=0.5)
 
 
-def _moe_single_process(shards, cp=1, optimizer=_optimizer):
+def _moe_single_process(shards, cp=1, optimizer=_optimizer, config=MOE, max_norm=0.0, steps=STEPS):
     """One process, the global batch in `shards` parts whose gradients accumulate: what data parallelism
     computes for an MoE model, each part routed on its own (expert capacity and the load-balancing
     loss are per rank's tokens under DP, as in Megatron-LM and DeepSpeed-MoE), and each part's sequence
-    in `cp` shards routed on their own (as under context parallelism)."""
-    model = _model(MOE)
+    in `cp` shards routed on their own (as under context parallelism). With `max_norm` the gradient is
+    clipped by torch's clip_grad_norm_. Returns the losses and the norms before clipping."""
+    model = _model(config)
     if cp > 1:
         _route_by_sequence_shards(model, cp)
     optimizer = optimizer(model.parameters())
-    losses = []
-    for step in range(STEPS):
+    losses, norms = [], []
+    for step in range(steps):
         optimizer.zero_grad()
         total = 0.0
         for inputs, targets in zip(*(part.chunk(shards) for part in _batch(step))):
-            loss = torch.nn.functional.cross_entropy(model(inputs).reshape(-1, MOE.vocab), targets.reshape(-1))
-            loss = loss + AUX_LOSS_WEIGHT * load_balancing_loss(model)
+            loss = torch.nn.functional.cross_entropy(model(inputs).reshape(-1, config.vocab), targets.reshape(-1))
+            balance = load_balancing_loss(model)
+            loss = loss if balance is None else loss + AUX_LOSS_WEIGHT * balance
             (loss / shards).backward()
             total += loss.item() / shards
+        if max_norm:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         optimizer.step()
         losses.append(total)
-    return losses
+    return losses, norms
 
 
 def _composed(rank, layout, config=CONFIG):
@@ -128,7 +136,7 @@ def test_expert_parallel_inside_data_parallel_equals_the_single_process_run(layo
     CP2 × TP2 and CP2 × PP2, each CP rank's share of the sequence routed on its own (through the TP-split experts;
     in each microbatch, stage by stage)."""
     shards = layout.dp * MICROBATCHES  # each rank routes each of its microbatches on its own
-    reference = _moe_single_process(shards, layout.cp)
+    reference, _ = _moe_single_process(shards, layout.cp)
     for losses in spawn(_composed, layout.dp * layout.cp * layout.pp * layout.tp, layout, MOE, timeout_s=300):
         assert losses == pytest.approx(reference, rel=1e-9)
 
@@ -142,7 +150,7 @@ def _composed_with_zero(rank, layout, stage, mixed_precision=False):
     assert {p.dtype for p in held.parameters()} <= {torch.bfloat16 if mixed_precision else torch.float32}
     return [zero.train_step(lambda tied_gradient: composed_step(
         model, mesh, *_batch(step), MICROBATCHES, pipeline, reduce_data_parallel=False,
-        tied_gradient=tied_gradient)) for step in range(STEPS)]
+        tied_gradient=tied_gradient))[0] for step in range(STEPS)]
 
 
 @pytest.mark.parametrize("layout, stage", [
@@ -154,7 +162,7 @@ def test_zero_with_expert_parallelism_equals_the_single_process_run(layout, stag
     divided by the DP × CP size — under SGD, whose losses show a gradient off by a constant factor (an fp32
     model: a looser tolerance than the float64 runs above)."""
     shards = layout.dp * MICROBATCHES  # each rank routes each of its microbatches on its own
-    reference = _moe_single_process(shards, layout.cp, _sgd)
+    reference, _ = _moe_single_process(shards, layout.cp, _sgd)
     for losses in spawn(_composed_with_zero, layout.dp * layout.cp * layout.pp, layout, stage, timeout_s=300):
         assert losses == pytest.approx(reference, rel=1e-5)
 
@@ -168,10 +176,55 @@ def test_mixed_precision_zero_on_the_mesh_follows_the_single_process_run(layout,
     then grows chaotically, to ~7e-3 by step 10). Gradients divided by twice the DP × CP size were off by
     1e-3 at step 3 and 3.5e-3 at step 4."""
     shards = layout.dp * MICROBATCHES  # each rank routes each of its microbatches on its own
-    reference = _moe_single_process(shards, layout.cp, _sgd)
+    reference, _ = _moe_single_process(shards, layout.cp, _sgd)
     for losses in spawn(_composed_with_zero, layout.dp * layout.cp * layout.pp * layout.tp, layout, stage, True,
                         timeout_s=300):
         assert losses[:6] == pytest.approx(reference[:6], rel=5e-4)
+
+
+def _composed_and_clipped(rank, layout, config, stage):
+    """CLIP_STEPS steps of SGD on the mesh, each gradient clipped to MAX_NORM: without ZeRO (stage 0, fp64) or
+    under it (fp32). Returns the losses and the norms before clipping."""
+    mesh = build_mesh(rank, layout)
+    model, pipeline = prepare(_model(config).to(torch.float32 if stage else torch.float64), mesh, MICROBATCHES)
+    held = pipeline.chunks if pipeline is not None else model
+    tied = (model.embed_tokens.weight,) if pipeline is not None and config.tied_embeddings else ()
+    losses, norms = [], []
+    if stage:
+        zero = MeshZero(model, held, mesh, stage, _sgd, tied=tied)
+        for step in range(CLIP_STEPS):
+            loss, norm = zero.train_step(lambda tied_gradient: composed_step(
+                model, mesh, *_batch(step), MICROBATCHES, pipeline, reduce_data_parallel=False,
+                tied_gradient=tied_gradient), MAX_NORM)
+            losses.append(loss)
+            norms.append(norm)
+        return losses, norms
+    parameters = list(held.parameters())
+    weights = piece_weights(parameters, mesh, split_parameters(held), expert_parameters(model), tied, sharded=False)
+    optimizer = _sgd(parameters)
+    for step in range(CLIP_STEPS):
+        optimizer.zero_grad()
+        losses.append(composed_step(model, mesh, *_batch(step), MICROBATCHES, pipeline))
+        norms.append(clip_gradients(parameters, weights, MAX_NORM))
+        optimizer.step()
+    return losses, norms
+
+
+@pytest.mark.parametrize("config, layout, stage", [
+    (TIED, MeshLayout(pp=2, tp=2), 0), (MOE, MeshLayout(dp=2, ep=2, cp=2), 0),
+    (TIED_MOE, MeshLayout(dp=2, ep=2, pp=2), 2), (MOE, MeshLayout(dp=2, ep=2, tp=2), 3)])
+def test_clipping_on_the_mesh_takes_the_whole_models_norm(config, layout, stage):
+    """Clipping by the global norm (parallel/clipping.py) against torch's clip_grad_norm_ on one process, every step
+    clipped: the norms and the losses after each clipped SGD step. The layouts hold each piece counted once: the
+    norms TP does not split (on TP rank 0), the tied embedding under PP (on the first stage), DP × CP copies (1/(dp·cp)
+    each without ZeRO) and experts held by fewer of them (ep/(dp·cp)); under ZeRO-2 and -3 each rank's slices."""
+    reference, norms = _moe_single_process(layout.dp * MICROBATCHES, layout.cp, _sgd, config, MAX_NORM, CLIP_STEPS)
+    assert min(norms) > MAX_NORM  # every step clipped
+    tolerance = 1e-5 if stage else 1e-9
+    for losses, rank_norms in spawn(_composed_and_clipped, layout.dp * layout.cp * layout.pp * layout.tp, layout, config,
+                                    stage, timeout_s=300):
+        assert rank_norms == pytest.approx(norms, rel=tolerance)
+        assert losses == pytest.approx(reference, rel=tolerance)
 
 
 @pytest.mark.parametrize("layout, field", [(MeshLayout(dp=3), "layout"), (MeshLayout(tp=3, dp=1), "layout"),

@@ -168,7 +168,8 @@ def test_multi_step_decoding_loses_nothing_and_equals_one_step_at_a_time(request
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels did not build here")
 def test_greedy_decodes_run_ahead_only_while_nobody_waits():
-    engine = Engine(AHEAD_MODEL, config=EngineConfig(kv_cache_bytes=10_000_000, decode_steps=4))
+    # no bound in seconds on a run (decode_ahead_s): its length must not depend on how busy the machine is
+    engine = Engine(AHEAD_MODEL, config=EngineConfig(kv_cache_bytes=10_000_000, decode_steps=4, decode_ahead_s=1e6))
     ahead = mock.patch.object(engine, "decode_ahead", wraps=engine.decode_ahead).start()
     outputs = {}
 

@@ -80,7 +80,7 @@ def mlsys(*args, **kwargs):
     (["--pp", "2", "--timeline", "timeline.svg"], "timeline"),
     (["--lr", "-1"], "lr"), (["--lr", "nan"], "lr"), (["--lr-schedule", "linear"], "lr_schedule"),
     (["--steps", "10", "--warmup-steps", "11"], "warmup_steps"), (["--min-lr-ratio", "2"], "min_lr_ratio"),
-    (["--clip-grad-norm", "-1"], "clip_grad_norm"), (["--tp", "2", "--clip-grad-norm", "1"], "clip_grad_norm"),
+    (["--clip-grad-norm", "-1"], "clip_grad_norm"),
     (["--checkpoint-every", "-1"], "checkpoint_every"),
     (["--schedule", "bogus"], "schedule"),  # without --pp too
     (["--schedule", "interleaved", "--interleave", "2"], "interleave"),  # no pipeline to interleave
@@ -163,20 +163,22 @@ def test_the_schedule_is_the_same_under_ddp_and_on_a_mesh(tiny, scheduled):
         assert run["lrs"] == scheduled["lrs"] and run["losses"] == pytest.approx(scheduled["losses"], rel=1e-5), layout
 
 
-@pytest.mark.slow  # CI time: the mechanism against torch's clipping is in tests/parallel/test_zero.py
-def test_clipping_under_zero_follows_one_process_and_its_norm_goes_on_the_wire(tiny):
-    """--clip-grad-norm: one process clips with torch's clip_grad_norm_, ZeRO-2 from its shards (one all-reduce of
-    the squared norm, in the wire table as predict counts it); both report each step's norm and the same losses."""
+@pytest.mark.slow  # CI time: the mechanisms against torch's clipping are in tests/parallel/test_zero.py and test_mesh.py
+def test_clipping_under_zero_and_on_a_mesh_follows_one_process_and_its_norm_goes_on_the_wire(tiny):
+    """--clip-grad-norm: one process clips with torch's clip_grad_norm_, ZeRO-2 from its shards and TP 2 from its
+    pieces (one all-reduce of the squared norm, in the wire table as predict counts it); all report each step's norm
+    and the same losses."""
     clip = ("--steps", "3", "--lr", "1e-2", "--clip-grad-norm", "0.5")
     single = _train_json(tiny, "--nproc", "1", *clip)["result"]
-    sharded = _train_json(tiny, "--strategy", "zero2", *clip)
     assert min(single["grad_norms"]) > 0.5  # every step clipped
-    # torch's clip_grad_norm_ takes each tensor's norm with vector_norm in fp32, which over millions of elements is
-    # off by up to ~5e-5 (a sum of squares is within 1e-8 here): the two norms agree to that, not to the float
-    assert sharded["result"]["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-4)
-    assert sharded["result"]["losses"] == pytest.approx(single["losses"], rel=1e-5)
-    norm = sharded["predicted_vs_measured"]["wire_bytes_per_step"]["all_reduce"]
-    assert norm["measured"] == norm["predicted"] == 4  # one fp32, ring all-reduce over 2 ranks
+    for layout, op in ((("--strategy", "zero2"), "all_reduce"), (("--tp", "2"), "gradient_norm")):
+        run = _train_json(tiny, *layout, *clip)
+        # torch's clip_grad_norm_ takes each tensor's norm with vector_norm in fp32, which over millions of elements
+        # is off by up to ~5e-5 (a sum of squares is within 1e-8 here): the norms agree to that, not to the float
+        assert run["result"]["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-4), layout
+        assert run["result"]["losses"] == pytest.approx(single["losses"], rel=1e-5), layout
+        norm = run["predicted_vs_measured"]["wire_bytes_per_step"][op]
+        assert norm["measured"] == norm["predicted"] == 4, layout  # one fp32, ring all-reduce over 2 ranks
 
 
 @pytest.mark.slow
@@ -340,6 +342,16 @@ def test_sequence_parallel_through_the_pipeline(tiny, single_process_losses):
     assert 1.0 <= held["ratio"] < 1.35, held  # 1.31 at hidden 32: rope's and attention's outputs weigh more
     without = _train_json(tiny, *layout)["predicted_vs_measured"]["memory_bytes"]["activations"]
     assert held["measured"] < 0.85 * without["measured"]
+
+
+def test_clipping_under_pipedream_is_refused_before_launch(untied, capsys, monkeypatch):
+    """Its stages step after every microbatch's backward: there is no whole-step gradient to clip."""
+    code, _, err = run(capsys, monkeypatch, "train", "--model-spec", str(untied), "--pp", "2", "--schedule", "pipedream",
+                       "--clip-grad-norm", "1")
+    assert code == 2 and "clip_grad_norm" in err and "pipedream" in err
+    code, _, err = run(capsys, monkeypatch, "train", "--model-spec", str(untied), "--pp", "2", "--schedule", "pipedream",
+                       "--steps", "0")
+    assert code == 2 and "steps" in err  # the same run without clipping passes that check (and stops at the next)
 
 
 def test_pipeline_schedules_hold_the_activations_predict_says(untied):

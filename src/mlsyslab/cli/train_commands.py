@@ -30,7 +30,7 @@ def train_command(
     warmup_steps: Annotated[int, typer.Option("--warmup-steps", help="linear warmup to --lr over these steps")] = 0,
     min_lr_ratio: Annotated[float, typer.Option("--min-lr-ratio", help="cosine's floor, a fraction of --lr")] = 0.1,
     clip_grad_norm: Annotated[float, typer.Option("--clip-grad-norm", help="clip the gradient to this global L2 norm "
-                                                  "before each update (0: off; DDP and ZeRO)")] = 0.0,
+                                                  "before each update (0: off; not under --schedule pipedream)")] = 0.0,
     bf16: Annotated[bool, typer.Option("--bf16", help="bf16 compute and communication: fp32 master weights "
                                                       "under ZeRO, bf16 weights under DDP")] = False,
     offload: Annotated[bool, typer.Option("--offload", help="optimizer state and step on the CPU (ZeRO)")] = False,
@@ -137,14 +137,16 @@ def _micro_batch(config, microbatches: int | None) -> int:
 
 
 def _print(config, result, comparison) -> None:
-    losses = result["losses"]
+    losses, norms = result["losses"], result.get("grad_norms")
     how = (f"dp{config.data_parallel}·pp{config.pp}·cp{config.cp}·tp{config.tp}" + (" (sp)" if config.sequence_parallel else "")
            + (f" (ep{config.ep} inside dp)" if config.ep > 1 else "")
            + (f" {config.schedule}" if config.pp > 1 else "") if config.on_mesh else config.strategy)
     console.print(f"[bold]{config.model['name']}[/] ({result['parameters']:,} parameters on rank 0), {how}"
                   f"{' + offload' if config.offload else ''}{' bf16' if config.bf16 else ''} on {config.nproc} ranks: "
                   f"steps {result['first_step'] + 1}-{config.steps}, loss {losses[0]:.4f} → {losses[-1]:.4f}, "
-                  f"{result['tokens_per_s']:,.0f} tokens/s" if losses else "nothing to do: already trained")
+                  + (f"gradient norm {norms[0]:.4g} → {norms[-1]:.4g} (clipped to {config.clip_grad_norm:g}), "
+                     if norms else "")
+                  + f"{result['tokens_per_s']:,.0f} tokens/s" if losses else "nothing to do: already trained")
     fmt = lambda v: "—" if v is None else human(v, "B")  # noqa: E731
     ratio = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
     if "memory_bytes" in comparison:

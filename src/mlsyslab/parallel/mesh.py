@@ -30,7 +30,7 @@ layers' balancing loss itself (parallel/pipeline.py); under TP every expert is s
 the EP ranks of its TP index (parallel.expert.ExpertDispatch). ZeRO (parallel/mesh_zero.py) runs with
 any layout (under PP with ZeRO-2 and -3 the tied embedding's gradient is summed slice by slice:
 `tied_gradient`); under CP every stage shards over DP × CP, and under EP the experts over the DP × CP
-ranks holding the same experts (`edcp`).
+ranks holding the same experts (`edcp`). Clipping by the whole model's gradient norm: parallel/clipping.py.
 """
 
 from contextlib import nullcontext

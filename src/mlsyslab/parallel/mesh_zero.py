@@ -9,7 +9,8 @@ ranks). Both divide their summed gradients by the DP × CP size: an expert's gra
 tokens its whole EP group sent it, so the dense weights' mean over DP × CP is the experts' sum over
 `edcp` divided by dp·cp, not by its own size. (Adam hides a gradient off by a constant factor in the
 losses — tests/parallel/test_mesh.py holds this under SGD.) predict.training prices the two groups'
-collectives the same way. Used by `train.trainer.train_on_mesh`.
+collectives the same way. With `max_grad_norm` the step clips by the whole model's gradient norm, from every rank's
+slices (parallel/clipping.py). Used by `train.trainer.train_on_mesh`.
 """
 
 from collections.abc import Callable
@@ -18,24 +19,26 @@ from contextlib import ExitStack
 from torch import nn
 
 from mlsyslab.comm.log import CommLog
+from mlsyslab.parallel.clipping import global_norm, piece_weights
 from mlsyslab.parallel.mesh import MeshRanks, expert_parameters
-from mlsyslab.parallel.tensor import gathered_entries
+from mlsyslab.parallel.tensor import gathered_entries, split_parameters
 from mlsyslab.parallel.zero import ZeroDataParallel
 
 
 class MeshZero:
-    """`loss = zero.train_step(lambda tied_gradient: composed_step(..., reduce_data_parallel=False,
+    """`loss, norm = zero.train_step(lambda tied_gradient: composed_step(..., reduce_data_parallel=False,
     tied_gradient=tied_gradient))`: one step's forward, backward and optimizer step."""
 
     def __init__(self, model: nn.Module, module: nn.Module, mesh: MeshRanks, stage: int, optimizer_factory,
                  bucket_bytes: int = 25_000_000, log: CommLog | None = None, tied: tuple = (),
-                 mixed_precision: bool = False, offload: bool = False):
+                 mixed_precision: bool = False, offload: bool = False, norm_log: CommLog | None = None):
         """`model`: the whole model (to find the experts); `module`: what this rank holds of it (its
         pipeline stages, or the model); `tied`: parameters two pipeline stages hold (`ZeroDataParallel`'s
-        `alone`)."""
-        self.stage, self.tied = stage, tied
+        `alone`); `norm_log`: where clipping's all-reduce is counted."""
+        self.stage, self.tied, self.norm_log = stage, tied, norm_log
         held = list(module.parameters())
         experts = expert_parameters(model) if mesh.layout.ep > 1 else set()
+        self.weights = piece_weights(held, mesh, split_parameters(module), experts, tied, sharded=True)
         groups = [(mesh.dcp, [p for p in held if id(p) not in experts], tied)]
         if experts:
             groups.append((mesh.edcp, [p for p in held if id(p) in experts], ()))
@@ -46,19 +49,23 @@ class MeshZero:
         if log is not None:
             log.reset()  # the start-up broadcasts are not a step's traffic
 
-    def train_step(self, forward_backward: Callable) -> float:
+    def train_step(self, forward_backward: Callable, max_grad_norm: float = 0.0) -> tuple[float, float | None]:
         """Run `forward_backward(tied_gradient)` (for ZeRO-2 and -3, a function giving this rank's slice of
         the tied parameter's gradient, to sum over the pipeline; else None), reduce what it left (ZeRO-1
-        once, after every microbatch), step, clear."""
+        once, after every microbatch), clip to `max_grad_norm` if > 0, step, clear. Returns the loss and the
+        gradient's norm before clipping (None without)."""
         with ExitStack() as accumulating:
             if self.stage == 1:  # accumulate over the pipeline's backwards, reduce once
                 for zero in self.zeros:
                     accumulating.enter_context(zero.no_sync())
             tied_gradient = (lambda: self.zeros[0].shard_gradient(self.tied[0])) if self.tied and self.stage > 1 else None
             loss = forward_backward(tied_gradient)
-        for zero in self.zeros:
-            if self.stage == 1:
+        if self.stage == 1:
+            for zero in self.zeros:
                 zero.reduce_gradients()
-            zero.step()
+        norm = global_norm(sum(zero.gradient_squares(self.weights) for zero in self.zeros), self.norm_log) \
+            if max_grad_norm > 0 else None
+        for zero in self.zeros:
+            zero.step(max_grad_norm, norm)
             zero.zero_grad()
-        return loss
+        return loss, norm

@@ -331,6 +331,15 @@ def gathered_entries(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if isinstance(m, (_QKV, _GateUp, TensorParallelExperts)) and m.sp]
 
 
+def split_parameters(module: nn.Module) -> set[int]:
+    """The ids of the parameters TP splits, each rank holding its own slice; every other parameter of a parallelized
+    model (the norms, an MoE router) has the same value and gradient on every rank of the group (a norm over the
+    ranks counts those once: parallel/clipping.py)."""
+    split = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+    return {id(p) for m in module.modules() if isinstance(m, split) for p in m.parameters()} | \
+        {id(p) for m in module.modules() if isinstance(m, TensorParallelExperts) for p in m.layer.experts.parameters()}
+
+
 class TensorParallelNorm(nn.Module):
     """A norm every rank of the group holds whole but applies to part of the data — under sequence parallelism this
     rank's tokens, as Qwen3's query and key head norms this rank's heads — so its weight's gradient is summed over

@@ -35,6 +35,7 @@ from mlsyslab.comm.log import CommLog, nbytes, traced
 from mlsyslab.comm.p2p import Pending
 from mlsyslab.errors import InvalidValue
 from mlsyslab.parallel.buckets import InOrder, bucket_parameters
+from mlsyslab.parallel.clipping import clip_factor
 
 
 class ZeroDataParallel(nn.Module):
@@ -113,13 +114,19 @@ class ZeroDataParallel(nn.Module):
             bucket.finish_reduce()
 
     @torch.no_grad()
-    def step(self, max_grad_norm: float = 0.0) -> float | None:
+    def step(self, max_grad_norm: float = 0.0, norm: float | None = None) -> float | None:
         """Optimizer step on this rank's slices, then all-gather the updated parameters (stages 1, 2). With
-        `max_grad_norm` > 0 the gradients are first clipped to that global norm; returns the norm before (else None)."""
+        `max_grad_norm` > 0 the gradients are first clipped to that global norm: the norm over this group's ranks,
+        or `norm` where the caller computed it over more (a mesh: parallel/clipping.py). Returns the norm before
+        clipping (else None)."""
         gradients = self.partition.shard_gradients() if self.stage == 3 else [b.slice_grad for b in self.buckets]
         slices = self.partition.shards if self.stage == 3 else [b.slice for b in self.buckets]
-        norm = self._global_norm(gradients) if max_grad_norm > 0 else None
-        scale = None if norm is None else min(1.0, max_grad_norm / (norm + 1e-6))  # torch's clip_grad_norm_ factor
+        if max_grad_norm > 0 and norm is None:  # each rank's slices are its own: their squares summed over the group
+            squares = self.gradient_squares()
+            traced(self.log, "all_reduce", nbytes(squares), self.rank.world_size, dist.all_reduce, squares,
+                   group=self.rank.group)
+            norm = squares.sqrt().item()
+        scale = clip_factor(norm, max_grad_norm) if max_grad_norm > 0 else None
         for master, gradient in zip(self.masters, gradients):
             master.grad = torch.zeros_like(master) if gradient is None else gradient.to(master.device, master.dtype)
             if scale is not None:
@@ -131,17 +138,25 @@ class ZeroDataParallel(nn.Module):
         if self.stage < 3:
             for bucket in self.buckets:
                 bucket.gather_parameters(self.log)
-        return norm
+        return norm if max_grad_norm > 0 else None
 
-    def _global_norm(self, gradients: list) -> float:
-        """The L2 norm of the whole model's gradient, from every rank's slices (padding is zeros)."""
+    def gradient_squares(self, weights: dict[int, float] | None = None) -> torch.Tensor:
+        """The sum of the squares of this rank's gradient slices (padding is zeros), in fp32; with `weights`
+        (parameter id → weight, default 1) each parameter's part of a slice weighted — for a norm over ranks that
+        hold some parameters twice (parallel/clipping.py)."""
+        holders = self.partition.units if self.stage == 3 else self.buckets
+        gradients = self.partition.shard_gradients() if self.stage == 3 else [b.slice_grad for b in self.buckets]
+        weights = weights or {}
         squares = torch.zeros((), dtype=torch.float32, device=self.rank.device)
-        for gradient in gradients:
-            if gradient is not None:
-                squares += gradient.float().pow(2).sum()
-        traced(self.log, "all_reduce", nbytes(squares), self.rank.world_size, dist.all_reduce, squares,
-               group=self.rank.group)
-        return squares.sqrt().item()
+        for holder, gradient in zip(holders, gradients):
+            if gradient is None:
+                continue
+            first = self.rank.rank * gradient.numel()  # where this rank's slice starts in the holder's flat buffer
+            for key, offset, numel in holder.pieces:
+                start, end = max(offset, first) - first, min(offset + numel, first + gradient.numel()) - first
+                if start < end and weights.get(key, 1.0):
+                    squares += weights.get(key, 1.0) * gradient[start:end].float().pow(2).sum()
+        return squares
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -218,10 +233,11 @@ class _FlatBucket:
         numel = sum(p.numel() for p in params)
         padded = -(-numel // n) * n
         self.flat = torch.zeros(padded, dtype=dtype, device=rank.device)
-        offset = 0
+        offset, self.pieces = 0, []  # pieces: (parameter id, offset, numel) in the flat buffer
         for p in params:  # the module's parameters become views of the flat buffer
             self.flat[offset: offset + p.numel()].copy_(p.detach().reshape(-1))
             p.data = self.flat[offset: offset + p.numel()].view_as(p)
+            self.pieces.append((id(p), offset, p.numel()))
             offset += p.numel()
         size = padded // n
         self.slice = self.flat[rank.rank * size: (rank.rank + 1) * size]

@@ -127,6 +127,7 @@ class _Unit:
         for p in unique:
             offsets[id(p)] = numel
             numel += p.numel()
+        self.pieces = [(id(p), offsets[id(p)], p.numel()) for p in unique]  # in the flat buffer (ZeroDataParallel)
         n = rank.world_size
         self.padded = -(-numel // n) * n
         size = self.padded // n

@@ -8,10 +8,10 @@ very batches the uninterrupted run would have. It measures what predict states: 
 category (from the tensors), activations saved for backward, bytes sent per op (the CommLog), and
 the time per step. Launched by `mlsys train` through torchrun (train/worker.py). AdamW's learning rate is
 set before each step, constant or warmed up and cosine-decayed (`TrainConfig.lr_at`), on every optimizer the rank
-steps, in both trainers; the report lists each step's. --clip-grad-norm clips the gradient to a global L2 norm
-before each update in the data-parallel trainer (DDP: torch's clip_grad_norm_ on its whole gradients; ZeRO: from the
-shards, `ZeroDataParallel.step`), reporting each step's norm; the mesh trainer refuses it (a norm over TP, PP, CP
-and EP shards is not built).
+steps, in both trainers; the report lists each step's. --clip-grad-norm clips the gradient to the whole model's
+L2 norm before each update, reporting each step's norm: DDP with torch's clip_grad_norm_ on its whole gradients,
+ZeRO from the shards (`ZeroDataParallel.step`), the mesh trainer from every rank's pieces, each counted once
+(parallel/clipping.py; not under PipeDream's schedule, whose stages step after each microbatch).
 
 With --tp / --pp / --cp > 1 the same loop runs `parallel.mesh.composed_step` on a device mesh
 (DP × PP × CP × TP, with EP inside DP; `train_on_mesh`) and measures the bytes each dimension sends, the
@@ -51,12 +51,14 @@ from mlsyslab.comm.log import CommLog
 from mlsyslab.errors import InvalidValue
 from mlsyslab.measure.memory import ActivationMeter, model_state_bytes, plain_model_state_tensors
 from mlsyslab.nn.llama import Llama, LlamaConfig
+from mlsyslab.parallel.clipping import clip_gradients, piece_weights
 from mlsyslab.parallel.ddp import DataParallel
-from mlsyslab.parallel.mesh import MeshLayout, build_mesh, composed_step, prepare
+from mlsyslab.parallel.mesh import MeshLayout, build_mesh, composed_step, expert_parameters, prepare
 from mlsyslab.parallel.mesh_zero import MeshZero
 from mlsyslab.parallel.pipeline import executed_timeline
 from mlsyslab.parallel.schedules import SCHEDULES, chrome_trace, render_png
 from mlsyslab.parallel.schedules import build as build_schedule
+from mlsyslab.parallel.tensor import split_parameters
 from mlsyslab.parallel.zero import ZeroDataParallel
 from mlsyslab.specs.schema import Model
 from mlsyslab.train import checkpoint
@@ -132,9 +134,9 @@ class TrainConfig:
             raise InvalidValue("min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
         if not (math.isfinite(self.clip_grad_norm) and self.clip_grad_norm >= 0):
             raise InvalidValue("clip_grad_norm", self.clip_grad_norm, "a finite number >= 0 (0: off)")
-        if self.clip_grad_norm and self.on_mesh:
-            raise InvalidValue("clip_grad_norm", self.clip_grad_norm, "0 on the mesh trainer (--tp/--pp/--cp/--ep or an "
-                               "MoE model): its norm over TP, PP, CP and EP shards is not built; DDP and ZeRO clip")
+        if self.clip_grad_norm and self.schedule == "pipedream" and self.pp > 1:
+            raise InvalidValue("clip_grad_norm", self.clip_grad_norm, "0 under --schedule pipedream (its stages step "
+                               "after every microbatch's backward, with no whole-step gradient to clip)")
         if self.checkpoint_every < 0:
             raise InvalidValue("checkpoint_every", self.checkpoint_every, "an integer >= 0 (0: at the end only)")
         if self.schedule not in SCHEDULES:
@@ -345,7 +347,8 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
     `composed_step` takes its share; AdamW steps on the parameters this rank holds."""
     torch.manual_seed(config.seed)
     logs = {dimension: CommLog() for dimension in ("tensor_parallel", "expert_parallel", "pipeline_p2p",
-                                                    "context_parallel", "data_parallel")}
+                                                    "context_parallel", "data_parallel")
+            + (("gradient_norm",) if config.clip_grad_norm else ())}
     compute = torch.bfloat16 if config.bf16 else torch.float32  # ZeRO casts its weights to it (mixed precision)
     model = build_model(config, compute if config.strategy == "ddp" else torch.float32)
     mesh = build_mesh(rank, config.layout)
@@ -355,10 +358,12 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
     held = list(module.parameters())
     adamw = lambda params: torch.optim.AdamW(params, lr=config.lr, weight_decay=0.1, foreach=False)  # noqa: E731
     zero = None
+    tied = (model.embed_tokens.weight,) if pipeline is not None and model.config.tied_embeddings else ()
     if config.strategy != "ddp":
-        tied = (model.embed_tokens.weight,) if pipeline is not None and model.config.tied_embeddings else ()
         zero = MeshZero(model, module, mesh, config.zero_stage, adamw, config.bucket_bytes, logs["data_parallel"], tied,
-                        mixed_precision=config.bf16, offload=config.offload)
+                        mixed_precision=config.bf16, offload=config.offload, norm_log=logs.get("gradient_norm"))
+    weights = None if zero else piece_weights(held, mesh, split_parameters(module), expert_parameters(model), tied,
+                                              sharded=False)  # clipping's count of each gradient piece
     optimizer = adamw(held) if zero is None else None  # under ZeRO the wrappers own the optimizers
     zeros = zero.zeros if zero is not None else []
     state = lambda: checkpoint.mesh_state(rank, module, optimizer, zeros)  # noqa: E731
@@ -380,12 +385,16 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
                                  meter=measure)
         elif zero is None:
             loss = composed_step(model, mesh, inputs, targets, config.microbatches, pipeline, logs, meter=measure)
+            if config.clip_grad_norm:
+                result.grad_norms.append(clip_gradients(held, weights, config.clip_grad_norm, logs["gradient_norm"]))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         else:
-            loss = zero.train_step(lambda tied_gradient: composed_step(
+            loss, norm = zero.train_step(lambda tied_gradient: composed_step(
                 model, mesh, inputs, targets, config.microbatches, pipeline, logs, reduce_data_parallel=False,
-                tied_gradient=tied_gradient, meter=measure))
+                tied_gradient=tied_gradient, meter=measure), config.clip_grad_norm)
+            if norm is not None:
+                result.grad_norms.append(norm)
         result.step_s.append(time.perf_counter() - began)
         result.losses.append(loss)
         if pipeline is not None:

@@ -127,6 +127,8 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
     if config.cp > 1 and config.zero_stage == 0:  # every rank holds all the weights: their gradients are
         # summed over the CP group (under ZeRO they are reduced over DP × CP instead: predict's DP term)
         wire["context_parallel"] += float(ring_all_reduce_bytes_per_rank(result["parameters"] * width, config.cp))
+    if config.clip_grad_norm:  # the squared gradient norm's all-reduce over every rank (parallel/clipping.py): one fp32
+        wire["gradient_norm"] = float(ring_all_reduce_bytes_per_rank(4, config.nproc))
     measured_step = float(np.median(result["step_s"][1:] or result["step_s"])) if result["step_s"] else None
     report = {
         # under ZeRO-3 its units' own saved-tensor hooks take every tensor saved inside them (the innermost hook
