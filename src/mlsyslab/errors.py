@@ -24,13 +24,15 @@ class InvalidValue(MlsysError):
 class UnknownName(MlsysError):
     """A catalog lookup found nothing; the message lists close matches."""
 
-    def __init__(self, kind: str, name: str, known: list[str]):
+    def __init__(self, kind: str, name: str, known: list[str], listing: str | None = None):
+        """`listing`: the command that lists them (default `mlsys zoo KIND`)."""
         import difflib
 
         close = difflib.get_close_matches(name.lower(), known, n=5, cutoff=0.5)
-        hint = ", ".join(close) if close else ", ".join(sorted(known)[:12]) + ", ..."
+        hint = f"closest: {', '.join(close)}" if close else f"known: {', '.join(sorted(known)[:12])}, ..."
         self.kind, self.name = kind, name
-        super().__init__(f"{kind}={name!r} is not in the catalog (closest: {hint}; list them with `mlsys zoo {kind}`)")
+        super().__init__(f"{kind}={name!r} is not in the catalog ({hint}; list them with "
+                         f"`{listing or f'mlsys zoo {kind}'}`)")
 
 
 class UnsupportedDtype(MlsysError):

@@ -105,6 +105,9 @@ def test_roofline_json(capsys, monkeypatch):
     (["plan", "--model", "llama-3-8b", "--hardware", "h100", "--gpus", "0"], "--gpus"),
     (["predict", "train", "--model", "llama-3-8b", "--hardware", "h100", "--gpus", "eight"], "--gpus"),
     (["predict", "speculative", "--acceptance", "nan"], "--acceptance"),  # NaN is outside every range
+    (["predict", "train", "--model", "llama-3-8b", "--hardware", "h100", "--gpus", str(2**70)], "--gpus"),  # traceback
+    (["predict", "train", "--model", "llama-3-8b", "--hardware", "h100", "--global-batch", str(2**70)], "--global-batch"),
+    (["predict", "train", "--model", "llama-3-8b", "--hardware", "h100", "--tokens", "-1"], "--tokens"),  # -11.7 µs
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch, args, field):
     code, out, err = run(capsys, monkeypatch, *args)
@@ -129,22 +132,54 @@ def test_assume_changes_the_prediction(capsys, monkeypatch):
     assert slower["step_s"] > base["step_s"] and slower["assumptions"]["matmul_efficiency_max"] == 0.4
 
 
+HARDWARE_SPEC = ("accelerator:\n  name: my-chip\n  vendor: me\n  launch_year: 2026\n"
+                 "  peak_flops: {bf16: 100 TFLOP/s}\n  hbm_bytes: 16 GB\n  hbm_bw: 1 TB/s\n"
+                 "  sram_bytes: 10 MB\n  scale_up_bw: 100 GB/s\n  tdp_w: 300 W\n  source: my datasheet\n"
+                 "system:\n  name: my-box\n  accelerators_per_node: 4\n  scale_up_domain: 4\n"
+                 "  scale_out_bw: 100 Gb/s\n  source: my rack\n")
+
+
 def test_custom_model_and_hardware_files(tmp_path, capsys, monkeypatch):
     model = tmp_path / "model.yaml"
     model.write_text("name: tiny\nsource: test file\nfamily: llama\nhidden: 256\nlayers: 4\nheads: 4\n"
                      "ffn_hidden: 1024\nvocab: 1000\nmax_seq: 512\npublished_params: 3.4e6\n")
     hardware = tmp_path / "hw.yaml"
-    hardware.write_text("accelerator:\n  name: my-chip\n  vendor: me\n  launch_year: 2026\n"
-                        "  peak_flops: {bf16: 100 TFLOP/s}\n  hbm_bytes: 16 GB\n  hbm_bw: 1 TB/s\n"
-                        "  sram_bytes: 10 MB\n  scale_up_bw: 100 GB/s\n  tdp_w: 300 W\n  source: my datasheet\n"
-                        "system:\n  name: my-box\n  accelerators_per_node: 4\n  scale_up_domain: 4\n"
-                        "  scale_out_bw: 100 Gb/s\n  source: my rack\n")
+    hardware.write_text(HARDWARE_SPEC)
     report = run_json(capsys, monkeypatch, "predict", "train", "--model-spec", str(model), "--hardware-spec",
                       str(hardware), "--gpus", "4", "--seq", "512")
     assert report["feasible"] and report["model"] == "tiny" and report["hardware"] == "my-box"
     code, _, err = run(capsys, monkeypatch, "predict", "train", "--model-spec", str(tmp_path / "missing.yaml"),
                        "--hardware", "h100")
     assert code == 2 and "--model-spec" in err
+
+
+@pytest.mark.parametrize("line, replacement, field", [
+    ("  peak_flops: {bf16: 100 TFLOP/s}", "  peak_flops: {bf16: -100 TFLOP/s}", "peak_flops.bf16"),  # MFU -253%
+    ("  peak_flops: {bf16: 100 TFLOP/s}", "  peak_flops: {}", "peak_flops"),
+    ("  hbm_bw: 1 TB/s", "  hbm_bw: 0 TB/s", "hbm_bw"),  # every latency infinite
+    ("  hbm_bw: 1 TB/s", "  hbm_bw: 1e400 TB/s", "hbm_bw"),
+    ("  hbm_bytes: 16 GB", "  hbm_bytes: -80 GB", "hbm_bytes"),
+    ("  scale_out_bw: 100 Gb/s", "  scale_out_bw: 0 Gb/s", "scale_out_bw"),  # step time nan
+    ("  tdp_w: 300 W", "  tdp_w: -700 W", "tdp_w"),
+    ("  launch_year: 2026", "  launch_year: -5", "launch_year"),
+    ("  name: my-box", "  name: my-box\n  accelerator: another-chip", "system.accelerator"),  # silently ignored
+])
+def test_impossible_hardware_in_a_spec_is_refused(tmp_path, capsys, monkeypatch, line, replacement, field):
+    """Found by a sweep with bad input (2026-11-27): each of these was taken as given."""
+    hardware = tmp_path / "hw.yaml"
+    hardware.write_text(HARDWARE_SPEC.replace(line, replacement))
+    code, out, err = run(capsys, monkeypatch, "predict", "train", "--model", "gpt2", "--hardware-spec", str(hardware),
+                         "--gpus", "4")
+    assert code == 2 and out == "" and field in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_odd_sequence_is_valid_without_context_parallelism(capsys, monkeypatch):
+    """Zig-zag CP needs 2·cp chunks; with cp = 1 there are none (an odd --seq was refused, blaming CP or the batch)."""
+    args = ("--model", "llama-3-8b", "--hardware", "h100", "--gpus", "8", "--seq", "2047")
+    assert run_json(capsys, monkeypatch, "predict", "train", *args, "--zero", "3", "--recompute", "full")["feasible"]
+    assert run_json(capsys, monkeypatch, "plan", *args, "--top", "3")["feasible"] > 0
+    code, _, err = run(capsys, monkeypatch, "predict", "train", *args, "--cp", "2")
+    assert code == 2 and "cp" in err
 
 
 def test_a_hardware_spec_with_an_unknown_assumption_is_refused_before_any_work(tmp_path, capsys, monkeypatch):

@@ -32,10 +32,57 @@ def test_queue_prefix_and_disaggregation(capsys, monkeypatch):
     (["predict", "fleet", "--gpus", "8"], "--params"),
     (["search", "-m", "llama-3-8b", "-H", "h100", "--constraint", "itl_s=<1"], "constraint"),
     (["search", "-m", "llama-3-8b", "-H", "h100", "--objective", "speed:max"], "metric"),
+    # found by a sweep with bad input (2026-11-27): each was a traceback, a hang or a ranked nonsense
+    (["search", "-m", "llama-3-8b", "-H", "h100", "--tp", "-1"], "--tp"),  # was ranked feasible
+    (["search", "-m", "llama-3-8b", "-H", "h100", "--batch", "1.5"], "--batch"),
+    (["search", "-m", "llama-3-8b", "-H", "h100", "--tp", "1,,2"], "--tp"),  # an empty item was dropped
+    (["search", "-m", "llama-3-8b", "-H", "h100", "--weight-dtype", "bogus"], "--weight-dtype"),  # KeyError
+    (["search", "-m", "llama-3-8b", "-H", "h100", "--constraint", "reason<=1"], "metric"),  # not a number
+    (["search", "-m", "llama-3-8b", "-H", "h100", "--top", "0"], "--top"),
+    (["search", "-m", "llama-3-8b", "-H", "h100", "--csv", "/no/such/folder/x.csv"], "--csv"),  # after the search
+    (["search", "-m", "llama-3-8b", "-H", "h100", "--plot", "frontier.txt"], "--plot"),
+    (["predict", "queue", "--servers", "10000000"], "--servers"),  # ran for minutes
+    (["predict", "fleet", "--params", "8e9", "--interval-s", "-1"], "--interval-s"),  # -112% lost to checkpoints
+    (["predict", "fleet", "--params", "8e9", "--model", "llama-3-8b"], "--params"),  # one was ignored
+    (["predict", "fleet", "--params", "inf"], "--params"),
+    (["predict", "ops", "--tokens-per-s", "-5"], "--tokens-per-s"),  # a negative cost per token
+    (["predict", "disaggregate", "--model", "llama-3-8b", "--hardware", "h100", "--rate", "inf"], "--rate"),
+    (["plan", "--model", "llama-3-8b", "--hardware", "h100", "--gpus", str(2**40)], "--gpus"),  # ran for minutes
+    (["schedule", "gpipe", "--stages", "4", "--microbatches", "100000"], "--microbatches"),
+    (["primer", "argmax", "--nproc", "100000"], "--nproc"),
+    (["predict", "serve", "--model", "llama-3-8b", "--hardware", "h100", "--assume",
+      "memory_bandwidth_efficiency=nan"], "memory_bandwidth_efficiency"),  # every time came out nan
+    (["predict", "serve", "--model", "llama-3-8b", "--hardware", "h100", "--assume", "memory_usable_fraction=2"],
+     "memory_usable_fraction"),
+    # the checks `predict serve` makes, where other commands made none: TP dividing the heads, the context
+    (["predict", "roofline", "--model", "llama-3-8b", "--hardware", "h100", "--tp", "3"], "--tp"),
+    (["predict", "roofline", "--model", "llama-3-8b", "--hardware", "h100", "--seq", "100000"], "--seq"),
+    (["predict", "roofline", "--model", "llama-3-8b", "--hardware", "h100", "--flops", "1", "--bytes", "1"], "--model"),
+    (["predict", "kv-paging", "--model", "llama-3-8b", "--hardware", "h100", "--tp", "64"], "--tp"),
+    (["predict", "kv-paging", "--model", "llama-3-8b", "--hardware", "h100", "--max-length", "100000"], "--max-length"),
+    (["predict", "prefix-cache", "--model", "llama-3-8b", "--hardware", "h100", "--prompt-tokens", "100000"],
+     "--prompt-tokens"),
+    (["predict", "prune", "--model", "llama-3-8b", "--hardware", "h100", "--tp", "3"], "--tp"),
+    (["predict", "reasoning", "--model", "llama-3-8b", "--hardware", "h100", "--steps", "40"], "--prompt-tokens"),
+    (["predict", "reasoning", "--model", "llama-3-8b", "--hardware", "h100", "--baseline-usd-per-year", "-1"],
+     "--baseline-usd-per-year"),
+    (["sensitivity", "--model", "llama-3-8b", "--hardware", "h100", "--prompt-tokens", "100000"], "--prompt-tokens"),
+    (["predict", "disaggregate", "--model", "llama-3-8b", "--hardware", "h100", "--prompt-tokens", "100000"],
+     "--prompt-tokens"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch, args, field):
     code, out, err = run(capsys, monkeypatch, *args)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and field in err, err
+
+
+def test_goodput_is_zero_where_checkpoints_or_failures_take_all_the_time(tmp_path, capsys, monkeypatch):
+    """(1 − δ/τ)·(1 − (τ/2 + R)/M) with both factors negative came out positive (41.7%): each factor is clipped;
+    the audit of such a job says it never finishes (it divided by zero or reported goodput 1)."""
+    fleet = run_json(capsys, monkeypatch, "predict", "fleet", "-n", "100000", "--params", "1e12", "--storage-gbps", "2")
+    assert fleet["checkpoint_overhead_fraction"] > 1 and fleet["failure_loss_fraction"] > 1 and fleet["goodput"] == 0
+    audit = run_json(capsys, monkeypatch, "audit", "-m", "Llama-3.1-405B", "-H", "h100", "--gpus", "65536",
+                     "--global-batch", "8192", "--storage-gbps", "2", "--out", str(tmp_path))
+    assert audit["binding"].startswith("reliability") and not audit["sections"]["feasibility"]["feasible"]
 
 
 def test_serving_audit_names_the_binding_constraint(tmp_path, capsys, monkeypatch):

@@ -5,8 +5,8 @@ from typing import Annotated
 
 import typer
 
-from mlsyslab.cli.options import (Dtype, HardwareName, Json, ModelName, ModelSpec, check_greater_than_zero, check_positive,
-                                  resolve_assumptions, resolve_model)
+from mlsyslab.cli.options import (MAX_ACCELERATORS, Dtype, HardwareName, Json, ModelName, ModelSpec,
+                                  check_greater_than_zero, check_positive, resolve_assumptions, resolve_model)
 from mlsyslab.cli.render import console, emit_json, human, seconds
 from mlsyslab.errors import InvalidValue
 
@@ -38,11 +38,13 @@ def audit_command(
     if not hardware:
         raise InvalidValue("--hardware", hardware, "a catalog accelerator or system")
     system, chip = catalog.hardware(hardware)
-    check_positive(gpus=gpus, global_batch=global_batch, seq=seq)
+    check_positive(MAX_ACCELERATORS, gpus=gpus)
+    check_positive(global_batch=global_batch, seq=seq)
     check_greater_than_zero(tokens=tokens, storage_gbps=storage_gbps)
     grid = catalog.grid(region)
     if serve:
-        check_positive(tp=tp, replicas=replicas, batch=batch, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+        check_positive(MAX_ACCELERATORS, replicas=replicas)
+        check_positive(tp=tp, batch=batch, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
         check_greater_than_zero(rate=rate)
         result = audit_serving(spec, system, chip, grid, tp, batch, prompt_tokens, output_tokens, rate, replicas,
                                resolve_assumptions(None), dtype=dtype)

@@ -1,5 +1,6 @@
 """Options shared by commands, and resolving them into specs (model, hardware, assumptions)."""
 
+import math
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -72,22 +73,41 @@ def resolve(model: str | None, model_spec: Path | None, hardware: str | None, ha
     return spec, hw, resolve_assumptions(assume, measured)
 
 
-def check_positive(**values):
-    """Each option (named by its python name) must be >= 1 when given."""
+MAX_COUNT = 2**31 - 1  # counts beyond any real job (and past which numpy's int64 products overflow)
+MAX_ACCELERATORS = 2**24  # 16.7 M, a hundred times today's largest clusters (the planner's search grows with it)
+
+
+def check_positive(high: int = MAX_COUNT, **values):
+    """Each count (named by its python name) must be 1..`high` when given."""
     for name, value in values.items():
-        check_range("--" + name.replace("_", "-"), value, 1)
+        check_range("--" + name.replace("_", "-"), value, 1, high)
+
+
+def check_model_shape(spec, tp: int = 1, tokens: int = 0, tokens_field: str = "--prompt-tokens",
+                      tp_field: str = "--tp") -> None:
+    """TP must divide the model's attention heads, and a sequence of `tokens` fit its context."""
+    if spec.heads % tp:
+        raise InvalidValue(tp_field, tp, f"a divisor of the {spec.heads} attention heads of {spec.name}")
+    if tokens > spec.max_seq:
+        what = "prompt + output" if tokens_field == "--prompt-tokens" else "the sequence"
+        raise InvalidValue(tokens_field, tokens, f"{what} <= the {spec.max_seq}-token context of {spec.name}")
 
 
 def check_greater_than_zero(**values):
-    """Each real-valued option (named by its python name) must be > 0 when given."""
+    """Each real-valued option (named by its python name) must be finite and > 0 when given."""
     for name, value in values.items():
-        if value is not None and not value > 0:
-            raise InvalidValue("--" + name.replace("_", "-"), value, "> 0")
+        if value is not None and not (_finite(value) and value > 0):  # NaN too
+            raise InvalidValue("--" + name.replace("_", "-"), value, "a finite number > 0")
 
 
 def check_range(field: str, value, low, high=None):
+    """`value` (when given) finite, >= low and, with `high`, <= high."""
     if value is None:
         return
-    if not (value >= low and (high is None or value <= high)):  # so written, NaN is refused too
-        valid = f">= {low}" if high is None else f"{low}..{high}"
+    if not (_finite(value) and value >= low and (high is None or value <= high)):  # NaN too
+        valid = f"a finite number >= {low}" if high is None else f"{low}..{high}"
         raise InvalidValue(field, value, valid)
+
+
+def _finite(value) -> bool:
+    return isinstance(value, int) or math.isfinite(value)  # (an int of any size: math.isfinite overflows past 1e308)

@@ -5,8 +5,8 @@ from typing import Annotated, Optional
 import numpy as np
 import typer
 
-from mlsyslab.cli.options import (Assume, Dtype, Explain, HardwareName, HardwareSpec, Json, ModelName, ModelSpec,
-                                  check_greater_than_zero, check_positive, check_range, resolve,
+from mlsyslab.cli.options import (MAX_ACCELERATORS, Assume, Dtype, Explain, HardwareName, HardwareSpec, Json, ModelName,
+                                  ModelSpec, check_greater_than_zero, check_model_shape, check_positive, check_range, resolve,
                                   resolve_hardware)
 from mlsyslab.cli.render import assumptions_table, console, count, emit_json, human, seconds, table
 from mlsyslab.errors import InvalidValue
@@ -14,8 +14,8 @@ from mlsyslab.predict.architecture import parameters
 from mlsyslab.predict.inference import predict_inference
 from mlsyslab.predict.layout import RECOMPUTE, SCHEDULES, Layout
 from mlsyslab.predict.phases import PHASES, phase_roofline
-from mlsyslab.predict.roofline import roofline
 from mlsyslab.predict.planner import plan
+from mlsyslab.predict.roofline import roofline
 from mlsyslab.predict.training import TrainingPrediction, predict_training, validate_layout
 from mlsyslab.specs.schema import DTYPES
 
@@ -43,9 +43,11 @@ def predict_train(
 ):
     """Step time, MFU and memory per accelerator of one training layout."""
     spec, hw, assumptions = resolve(model, model_spec, hardware, hardware_spec, dtype, assume)
-    check_positive(gpus=gpus, tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, micro_batch=micro_batch, global_batch=global_batch,
-                   seq=seq, interleave=interleave)
+    check_positive(MAX_ACCELERATORS, gpus=gpus)
+    check_positive(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, micro_batch=micro_batch, global_batch=global_batch, seq=seq,
+                   interleave=interleave)
     check_range("--zero", zero, 0, 3)
+    check_greater_than_zero(tokens=tokens)
     for field, value, valid in (("--recompute", recompute, RECOMPUTE), ("--schedule", schedule, SCHEDULES),
                                 ("--optimizer", optimizer, ("adam", "sgd"))):
         if value not in valid:
@@ -141,10 +143,7 @@ def predict_serve(
     for field, value in (("--weight-dtype", weight_dtype), ("--kv-dtype", kv_dtype)):
         if value is not None and value not in DTYPES:
             raise InvalidValue(field, value, ", ".join(DTYPES))
-    if spec.heads % tp:
-        raise InvalidValue("--tp", tp, f"a divisor of the {spec.heads} attention heads of {spec.name}")
-    if prompt_tokens + output_tokens > spec.max_seq:
-        raise InvalidValue("--prompt-tokens", prompt_tokens, f"prompt + output <= the {spec.max_seq}-token context of {spec.name}")
+    check_model_shape(spec, tp, prompt_tokens + output_tokens)
     r = predict_inference(spec, hw, batch, prompt_tokens, output_tokens, tp, weight_dtype, kv_dtype, assumptions)
     item = lambda a: float(np.asarray(a).reshape(-1)[0])  # noqa: E731
     report = {
@@ -204,7 +203,8 @@ def plan_command(
 ):
     """Every valid layout of a model on a cluster, ranked by predicted throughput; the rest counted by reason."""
     spec, hw, assumptions = resolve(model, model_spec, hardware, hardware_spec, dtype, assume)
-    check_positive(gpus=gpus, global_batch=global_batch, seq=seq, top=top)
+    check_positive(MAX_ACCELERATORS, gpus=gpus)
+    check_positive(global_batch=global_batch, seq=seq, top=top)
     result = plan(spec, hw, gpus, global_batch, seq, assumptions)
     best, prediction = result.top(top)
     plans = []
@@ -252,6 +252,9 @@ def predict_roofline(
     if (flops is None) != (bytes_moved is None):
         raise InvalidValue("--flops" if flops is None else "--bytes", None, "both --flops and --bytes, or a --model")
     if flops is not None:
+        if model or model_spec:
+            raise InvalidValue("--model", model or str(model_spec), "omitted with --flops and --bytes (an operation, "
+                               "not a model's phase)")
         check_greater_than_zero(flops=flops, bytes=bytes_moved)
         hw, _ = resolve_hardware(hardware, hardware_spec, dtype)
         r, label = roofline(flops, bytes_moved, hw.peak_flops, hw.hbm_bw), f"{human(flops, 'FLOP')} over {human(bytes_moved, 'B')}"
@@ -261,6 +264,7 @@ def predict_roofline(
         if phase not in PHASES:
             raise InvalidValue("--phase", phase, ", ".join(PHASES))
         check_positive(batch=batch, seq=seq, tp=tp)
+        check_model_shape(spec, tp, seq, "--seq")
         r = phase_roofline(spec, hw.peak_flops, hw.hbm_bw, phase, batch, seq, dtype, dtype, tp)
         label, spec_name = f"{phase} (batch {batch}, {seq} tokens, TP{tp})", spec.name
     report = {"model": spec_name, "hardware": hw.name, "what": label,

@@ -19,7 +19,7 @@ def primer_command(
     """Hello distributed, a send/recv chain, the deadlock and its fix, every collective, mean, argmax, bandwidth."""
     if name not in PROGRAMS:
         raise InvalidValue("name", name, ", ".join(PROGRAMS))
-    check_positive(nproc=nproc)
+    check_positive(64, nproc=nproc)  # processes on this machine
     if name == "deadlock" and nproc < 2:
         raise InvalidValue("--nproc", nproc, ">= 2 for the deadlock")
     import torch

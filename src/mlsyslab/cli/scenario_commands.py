@@ -1,16 +1,18 @@
 """`mlsys predict fleet|ops|kv-paging|speculative|reasoning`, `mlsys sensitivity`, `mlsys search`."""
 
+import math
 from pathlib import Path
 from typing import Annotated, Optional
 
 import numpy as np
 import typer
 
-from mlsyslab.cli.options import (Dtype, HardwareName, HardwareSpec, Json, ModelName, ModelSpec, check_greater_than_zero,
-                                  check_positive, check_range, resolve)
+from mlsyslab.cli.options import (MAX_ACCELERATORS, MAX_COUNT, Dtype, HardwareName, HardwareSpec, Json, ModelName,
+                                  ModelSpec, check_greater_than_zero, check_model_shape, check_positive, check_range, resolve)
 from mlsyslab.cli.render import console, emit_json, human, seconds, table
 from mlsyslab.errors import InvalidValue
 from mlsyslab.predict.architecture import parameters
+from mlsyslab.specs.schema import DTYPE_BYTES
 
 Floats = Annotated[float, typer.Option]
 
@@ -30,13 +32,16 @@ def fleet_command(
     from mlsyslab.cli.options import resolve_model
     from mlsyslab.predict.fleet import FailureRates, predict_fleet
 
-    check_positive(gpus=gpus, gpus_per_node=gpus_per_node)
+    check_positive(MAX_ACCELERATORS, gpus=gpus, gpus_per_node=gpus_per_node)
     check_greater_than_zero(storage_gbps=storage_gbps, gpu_mttf_h=gpu_mttf_h)
     check_range("--restart-s", restart_s, 0)
+    check_greater_than_zero(interval_s=interval_s)
+    if (model or model_spec) and params:
+        raise InvalidValue("--params", params, "omitted with --model or --model-spec (the model gives the count)")
     if model or model_spec:
         params = parameters(resolve_model(model, model_spec)).total()
-    if not params > 0:  # NaN too
-        raise InvalidValue("--params", params, "> 0, or --model NAME")
+    if not (math.isfinite(params) and params > 0):  # NaN too
+        raise InvalidValue("--params", params, "a finite number > 0, or --model NAME")
     f = predict_fleet(gpus, params, storage_gbps * 1e9, gpus_per_node, restart_s, interval_s, FailureRates(gpu_mttf_h=gpu_mttf_h))
     report = {"gpus": gpus, "parameters": params, "mtbf_h": float(f.mtbf_s) / 3600, "failures_per_day": float(f.failures_per_day),
               "checkpoint_bytes": float(f.checkpoint_bytes), "checkpoint_s": float(f.checkpoint_s),
@@ -52,6 +57,11 @@ def fleet_command(
         ("Young–Daly interval", seconds(report["young_daly_interval_s"])),
         ("time lost to checkpoints", f"{report['checkpoint_overhead_fraction']:.2%}"),
         ("time lost to failures", f"{report['failure_loss_fraction']:.2%}"), ("goodput", f"{report['goodput']:.2%}")]))
+    if report["checkpoint_overhead_fraction"] >= 1 or report["failure_loss_fraction"] >= 1:
+        console.print("no progress: " + ("a checkpoint takes longer than the interval between them"
+                                         if report["checkpoint_overhead_fraction"] >= 1 else
+                                         "failures come faster than the job gets back to where it was")
+                      + " (Young–Daly's first-order interval assumes a checkpoint far shorter than the MTBF)")
 
 
 def ops_command(
@@ -74,8 +84,8 @@ def ops_command(
         if json:
             return emit_json({"regions": [g.model_dump() for g in catalog.grids()]})
         return console.print(table("grids", rows, ("region", "gCO2/kWh", "PUE", "water L/kWh", "source")))
-    check_positive(gpus=gpus)
-    check_greater_than_zero(days=days)
+    check_positive(MAX_ACCELERATORS, gpus=gpus)
+    check_greater_than_zero(days=days, tokens_per_s=tokens_per_s)
     check_range("--utilisation", utilisation, 0, 1)
     system, chip = catalog.hardware(hardware)
     grid = catalog.grid(region)
@@ -113,6 +123,7 @@ def kv_paging_command(
 
     spec, hw, assumptions = resolve(model, model_spec, hardware, hardware_spec, dtype, None)
     check_positive(max_length=max_length, block_tokens=block_tokens, tp=tp)
+    check_model_shape(spec, tp, max_length, "--max-length")
     rng = np.random.default_rng(0)
     if mean_length is None:
         lengths = rng.integers(1, max_length + 1, 100_000)
@@ -172,6 +183,8 @@ def reasoning_command(
 
     spec, hw, assumptions = resolve(model, model_spec, hardware, hardware_spec, dtype, None)
     check_positive(steps=steps, tp=tp, batch=batch, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+    check_model_shape(spec, tp, prompt_tokens + output_tokens * steps)
+    check_range("--baseline-usd-per-year", baseline_usd_per_year, 0)
     long = predict_inference(spec, hw, batch, prompt_tokens, output_tokens * steps, tp, assumptions=assumptions)
     short = predict_inference(spec, hw, batch, prompt_tokens, output_tokens, tp, assumptions=assumptions)
     for r in (short, long):
@@ -205,6 +218,7 @@ def sensitivity_command(
 
     spec, hw, assumptions = resolve(model, model_spec, hardware, hardware_spec, dtype, None)
     check_positive(batch=batch, prompt_tokens=prompt_tokens, output_tokens=output_tokens, tp=tp)
+    check_model_shape(spec, tp, prompt_tokens + output_tokens)
     elasticity = inference_elasticities(spec, hw, batch, prompt_tokens, output_tokens, tp, objective, assumptions=assumptions)
     report = {"model": spec.name, "hardware": hw.name, "objective": objective, "elasticities": elasticity}
     if slo_s is not None:
@@ -248,9 +262,17 @@ def search_command(
         catalog.model(name)
     for name in hardware:
         catalog.hardware(name)
-    axes = {"model": list(model), "hardware": list(hardware), "weight_dtype": _list(weight_dtype, "--weight-dtype", str),
-            "tp": _list(tp, "--tp"), "batch": _list(batch, "--batch"), "prompt_tokens": _list(prompt_tokens, "--prompt-tokens"),
-            "output_tokens": _list(output_tokens, "--output-tokens")}
+    check_positive(top=top)
+    for option, path, suffix in (("--csv", csv, ".csv"), ("--plot", plot, ".png")):
+        if path is not None and (path.suffix != suffix or not path.parent.is_dir() or path.is_dir()):
+            raise InvalidValue(option, str(path), f"a {suffix} file in an existing folder")
+    axes = {"model": list(model), "hardware": list(hardware), "weight_dtype": _names(weight_dtype, "--weight-dtype"),
+            "tp": _counts(tp, "--tp"), "batch": _counts(batch, "--batch"),
+            "prompt_tokens": _counts(prompt_tokens, "--prompt-tokens"),
+            "output_tokens": _counts(output_tokens, "--output-tokens")}
+    for value in axes["weight_dtype"]:
+        if value not in DTYPE_BYTES:
+            raise InvalidValue("--weight-dtype", value, ", ".join(DTYPE_BYTES))
     objectives = [Objective.parse(o) for o in (objective or ["tokens_per_s_per_gpu:max"])]
     result = search(axes, serving_evaluator(), [Constraint.parse(c) for c in constraint or []], objectives)
     best = [result.row(int(i)) for i in result.ranked[:top]]
@@ -270,13 +292,22 @@ def search_command(
         console.print(table("rejected", sorted(result.rejected.items(), key=lambda kv: -kv[1]), ("reason", "points")))
 
 
-def _list(text: str, field: str, kind=float) -> list:
+def _names(text: str, field: str) -> list[str]:
+    """Comma-separated names, none empty."""
+    names = [v.strip() for v in text.split(",")]
+    if not all(names):
+        raise InvalidValue(field, text, "comma-separated values with none empty, e.g. bf16,int8")
+    return names
+
+
+def _counts(text: str, field: str) -> list[int]:
+    """Comma-separated counts, each 1..MAX_COUNT."""
     try:
-        values = [kind(v) for v in text.split(",") if v.strip()]
+        values = [int(v) for v in _names(text, field)]
     except ValueError:
-        raise InvalidValue(field, text, "comma-separated values, e.g. 1,2,4") from None
-    if not values:
-        raise InvalidValue(field, text, "at least one value")
+        raise InvalidValue(field, text, "comma-separated whole numbers, e.g. 1,2,4") from None
+    for value in values:
+        check_range(field, value, 1, MAX_COUNT)
     return values
 
 
@@ -326,6 +357,7 @@ def prune_command(
 
     spec, hw, assumptions = resolve(model, model_spec, hardware, hardware_spec, dtype, None)
     check_positive(batch=batch, tp=tp)
+    check_model_shape(spec, tp)
     effect = pruning_effect(spec, hw, density, structured, batch=batch, tp=tp, assumptions=assumptions)
     report = {"model": spec.name, "hardware": hw.name, "density": density, "structured": structured,
               "weight_bytes_fraction": effect.weight_bytes_fraction, "flops_fraction": effect.flops_fraction,
@@ -348,7 +380,7 @@ def queue_command(
     from mlsyslab.predict.serving import p99_latency_s
 
     check_greater_than_zero(rate=rate, service_s=service_s)
-    check_positive(servers=servers)
+    check_positive(100_000, servers=servers)  # Erlang C's recursion runs once per server
     check_range("--quantile", quantile, 0, 1)
     load = rate * service_s
     report = {"utilisation": load / servers, "stable": load < servers,
@@ -378,6 +410,7 @@ def prefix_cache_command(
 
     spec, hw, assumptions = resolve(model, model_spec, hardware, hardware_spec, dtype, None)
     check_positive(prompt_tokens=prompt_tokens, batch=batch, tp=tp)
+    check_model_shape(spec, tp, prompt_tokens)
     check_range("--shared-fraction", shared_fraction, 0, 1)
     check_range("--hit-rate", hit_rate, 0, 1)
     remaining = float(prefix_cache_prefill_fraction(shared_fraction, hit_rate))
@@ -408,6 +441,7 @@ def disaggregate_command(
     spec, hw, assumptions = resolve(model, model_spec, hardware, hardware_spec, dtype, None)
     check_greater_than_zero(rate=rate, link_gbps=link_gbps)
     check_positive(prompt_tokens=prompt_tokens, output_tokens=output_tokens, decode_batch=decode_batch, tp=tp)
+    check_model_shape(spec, tp, prompt_tokens + output_tokens)
     prefill = predict_inference(spec, hw, 1, prompt_tokens, 1, tp, assumptions=assumptions)
     decode = predict_inference(spec, hw, decode_batch, prompt_tokens, output_tokens, tp, assumptions=assumptions)
     for r in (prefill, decode):

@@ -15,6 +15,8 @@ from mlsyslab.cli.options import Json, check_greater_than_zero, check_positive
 from mlsyslab.cli.render import console, emit_json, table
 from mlsyslab.errors import InvalidValue
 
+MAX_ACTIONS = 2**16  # forward and backward actions a schedule may have: each is simulated and listed (~30,000 a second)
+
 
 def schedule_command(
     name: Annotated[str, typer.Argument(help="gpipe, 1f1b, interleaved or pipedream")],
@@ -28,7 +30,11 @@ def schedule_command(
     json: Json = False,
 ):
     """A pipeline schedule: each rank's actions, its simulated bubble against the analytic one, activations in flight."""
-    check_positive(stages=stages, microbatches=microbatches, interleave=interleave)
+    check_positive(1024, stages=stages, interleave=interleave)
+    check_positive(microbatches=microbatches)
+    if stages * microbatches * interleave > MAX_ACTIONS:
+        raise InvalidValue("--microbatches", microbatches, f"at most {MAX_ACTIONS // (stages * interleave)} with "
+                           f"{stages} stages × {interleave} chunks (stages·microbatches·interleave <= {MAX_ACTIONS})")
     check_greater_than_zero(forward=forward_s, backward=backward_s)
     for option, path, suffix in (("--png", png, ".png"), ("--trace", trace, ".json")):
         if path is not None and (path.suffix != suffix or not path.parent.is_dir()):

@@ -15,7 +15,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from mlsyslab.cli.options import Json, check_positive, check_range, resolve_assumptions, resolve_hardware
+from mlsyslab.cli.options import (Json, check_greater_than_zero, check_positive, check_range, resolve_assumptions,
+                                  resolve_hardware)
 from mlsyslab.cli.render import emit_json
 from mlsyslab.errors import InvalidValue
 
@@ -197,8 +198,7 @@ def engine_config(kv_cache_gb, block_size, max_batched_tokens, max_running, max_
         decode_steps = EngineConfig.decode_steps
     check_positive(block_size=block_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
                    max_waiting=max_waiting, decode_steps=decode_steps)
-    if not kv_cache_gb > 0:
-        raise InvalidValue("--kv-cache-gb", kv_cache_gb, "> 0")
+    check_greater_than_zero(kv_cache_gb=kv_cache_gb)
     if speculative_tokens < 0:
         raise InvalidValue("--speculative-tokens", speculative_tokens, ">= 0 (0: off)")
     return EngineConfig(kv_cache_bytes=int(kv_cache_gb * 1e9), block_size=block_size,

@@ -2,14 +2,16 @@
 algorithm and wafer walls and the differential explainer (predict.data_pipeline, predict.algorithm,
 predict.wafer, predict.explain)."""
 
+import math
 from functools import partial
 from typing import Annotated, Optional
 
 import numpy as np
 import typer
 
-from mlsyslab.cli.options import (Assume, Dtype, Explain, HardwareName, Json, ModelName, ModelSpec, check_positive,
-                                  check_range, resolve, resolve_hardware, resolve_model)
+from mlsyslab.cli.options import (Assume, Dtype, Explain, HardwareName, Json, ModelName, ModelSpec,
+                                  check_greater_than_zero, check_model_shape, check_positive, check_range, resolve, resolve_hardware,
+                                  resolve_model)
 from mlsyslab.cli.render import assumptions_table, console, count, emit_json, human, seconds, table
 from mlsyslab.errors import InvalidValue
 from mlsyslab.predict import algorithm, data_pipeline, explain, wafer
@@ -35,8 +37,8 @@ def _local_assumptions(default, pairs):
 
 def _quantity(flag: str, text: str, kind: str) -> float:
     value = parse_quantity(text, kind, flag)
-    if not value > 0:  # NaN too
-        raise InvalidValue(flag, text, f"a positive quantity in {kind}")
+    if not (math.isfinite(value) and value > 0):  # NaN too
+        raise InvalidValue(flag, text, f"a finite positive quantity in {kind}")
     return value
 
 
@@ -71,10 +73,8 @@ def predict_data(
     a = _local_assumptions(data_pipeline.DEFAULT, assume)
     check_positive(batch=batch)
     check_range("--workers", workers, 0)
-    for flag, value in (("--flops-per-sample", flops_per_sample), ("--worker-rate", worker_rate),
-                        ("--step-ms", step_ms), ("--cpu-cores", cpu_cores)):
-        if value is not None and not value > 0:
-            raise InvalidValue(flag, value, "> 0")
+    check_greater_than_zero(flops_per_sample=flops_per_sample, worker_rate=worker_rate, step_ms=step_ms,
+                            cpu_cores=cpu_cores)
     hw = resolve_hardware(hardware, None, dtype)[0] if hardware or step_ms is None else None
     step_s = step_ms / 1e3 if step_ms is not None else float(
         data_pipeline.accelerator_step_s(flops_per_sample, batch, hw.peak_flops, training, a))
@@ -120,9 +120,7 @@ def predict_scaling(
                            "exactly one of --compute FLOP or --params N (optionally with --tokens D)")
     if tokens is not None and params is None:
         raise InvalidValue("--tokens", tokens, "with --params")
-    for flag, value in (("--compute", compute), ("--params", params), ("--tokens", tokens)):
-        if value is not None and not value > 0:
-            raise InvalidValue(flag, value, "> 0")
+    check_greater_than_zero(compute=compute, params=params, tokens=tokens)
     fit = algorithm.CHINCHILLA
     fits = {"rule": ("rule", fit), "fit": ("fit", fit), "refit": ("fit", algorithm.BESIROGLU_REFIT)}
     report = {"fit": {k: getattr(fit, k) for k in ("E", "A", "B", "alpha", "beta", "tokens_per_parameter")}}
@@ -166,12 +164,11 @@ def predict_quantize(
     """What quantised weights buy in each phase: memory-bound decode vs compute-bound prefill and training."""
     spec, hw, assumptions = resolve(model, model_spec, hardware, None, dtype, assume)
     check_positive(batch=batch, prompt_tokens=prompt_tokens, output_tokens=output_tokens, tp=tp)
-    dtypes = [d.strip() for d in weight_dtypes.split(",") if d.strip()]
-    for d in dtypes or [weight_dtypes]:
+    dtypes = [d.strip() for d in weight_dtypes.split(",")]
+    for d in dtypes:
         if d not in DTYPES:
             raise InvalidValue("--weight-dtypes", d, ", ".join(DTYPES))
-    if spec.heads % tp:
-        raise InvalidValue("--tp", tp, f"a divisor of the {spec.heads} attention heads of {spec.name}")
+    check_model_shape(spec, tp, prompt_tokens + output_tokens)
     system, chip = catalog.hardware(hardware)
     rows = []
     for d in dtypes:
@@ -229,8 +226,7 @@ def predict_moe_imbalance(
         raise InvalidValue("--experts/--top-k", experts if experts is None else top_k, "both, or --model with experts")
     check_positive(tokens=tokens, experts=experts, top_k=top_k)
     check_range("--top-k", top_k, 1, experts)
-    if not capacity_factor > 0:
-        raise InvalidValue("--capacity-factor", capacity_factor, "> 0")
+    check_greater_than_zero(capacity_factor=capacity_factor)
     factors = np.array(sorted({1.0, 1.25, 1.5, 2.0, capacity_factor}))
     r = algorithm.moe_imbalance(tokens, experts, top_k, factors)
     i = int(np.searchsorted(factors, capacity_factor))
@@ -388,12 +384,8 @@ def explain_command(
             raise InvalidValue(flag, value, ", ".join(DTYPES))
     sides = ((spec_a, hw_a, tp, batch, weight_dtype), (spec_b, hw_b, vs_tp or tp, vs_batch or batch, vs_weight_dtype or weight_dtype))
     for flag, (spec, _, t, _, _) in zip(("--tp", "--vs-tp"), sides):
-        if spec.heads % t:
-            raise InvalidValue(flag, t, f"a divisor of the {spec.heads} attention heads of {spec.name}")
+        check_model_shape(spec, t, prompt_tokens + output_tokens if workload == "decode" else 0, tp_field=flag)
     if workload == "decode":
-        for spec, *_ in sides:
-            if prompt_tokens + output_tokens > spec.max_seq:
-                raise InvalidValue("--prompt-tokens", prompt_tokens, f"prompt + output <= the {spec.max_seq}-token context of {spec.name}")
         a, b = (explain.decode_inputs(s, h, bt, prompt_tokens, output_tokens, t, w) for s, h, t, bt, w in sides)
         objective, unit = partial(explain.decode_objective, assumptions=assumptions), "itl_s"
     else:

@@ -5,6 +5,7 @@ fitted per scenario. `Assumptions().override({"matmul_efficiency_max": 0.6})` ch
 takes `--assume NAME=VALUE` and `--explain` prints them all with their values.
 """
 
+import math
 from dataclasses import dataclass, field, fields, replace
 
 from mlsyslab.errors import InvalidValue
@@ -89,13 +90,24 @@ class Assumptions:
                 parsed[name] = _parse_bool(value) if kind is bool else float(value)
             except ValueError:
                 raise InvalidValue(f"assume.{name}", value, f"a {kind.__name__}") from None
-            if kind is float and parsed[name] < 0:
-                raise InvalidValue(f"assume.{name}", value, "a value >= 0")
+            if kind is float:
+                _check(name, value, parsed[name])
         return replace(self, **parsed)
 
     def explain(self) -> dict:
         """{name: {"value": ..., "doc": ...}} for every assumption."""
         return {f.name: {"value": getattr(self, f.name), "doc": f.metadata["doc"]} for f in fields(self)}
+
+
+def _check(name: str, text, value: float) -> None:
+    """Finite and >= 0; a fraction (an overlap, the usable memory) at most 1; an efficiency > 0 (time divides by it;
+    calibrated ones may pass 1, relative to a fitted peak)."""
+    if not (math.isfinite(value) and value >= 0):
+        raise InvalidValue(f"assume.{name}", text, "a finite value >= 0")
+    if name.endswith(("_overlap", "_fraction")) and value > 1:
+        raise InvalidValue(f"assume.{name}", text, "a fraction, 0..1")
+    if "efficiency" in name and value == 0:
+        raise InvalidValue(f"assume.{name}", text, "a value > 0 (times are divided by it)")
 
 
 def _parse_bool(value) -> bool:

@@ -52,6 +52,10 @@ def audit_training(model: Model, system: System, chip: Accelerator, grid: Grid, 
     breakdown = {k: float(np.asarray(v).reshape(-1)[0]) for k, v in prediction.time_s.items()}
     fleet = predict_fleet(gpus, parameters(model).total(), storage_write_bw, system.accelerators_per_node)
     tokens_per_s = float(prediction.tokens_per_s.reshape(-1)[0])
+    if float(fleet.goodput) == 0:  # checkpoints or failures take all the time: the job never finishes
+        reason = (f"reliability: goodput 0 (a checkpoint takes {float(fleet.checkpoint_s):.0f} s, the interval "
+                  f"{float(fleet.interval_s):.0f} s, the cluster's MTBF {float(fleet.mtbf_s):.0f} s)")
+        return _infeasible({reason: 1}, memory, "reliability (no progress)")
     wall_s = tokens / tokens_per_s / float(fleet.goodput)
     ops = predict_operations(gpus, chip.tdp_w, system.power_overhead_w, system.accelerators_per_node, wall_s,
                              grid.grid_gco2_per_kwh, grid.pue, grid.water_l_per_kwh, chip.price_usd or 0.0, operations)
@@ -82,8 +86,8 @@ def audit_training(model: Model, system: System, chip: Accelerator, grid: Grid, 
     return Audit(sections, binding, layout.row(0), breakdown, memory)
 
 
-def _infeasible(reasons: dict, memory: dict | None = None) -> Audit:
-    return Audit({"feasibility": {"feasible": False, "reasons": reasons}}, "memory (nothing fits)", {}, {}, memory or {})
+def _infeasible(reasons: dict, memory: dict | None = None, binding: str = "memory (nothing fits)") -> Audit:
+    return Audit({"feasibility": {"feasible": False, "reasons": reasons}}, binding, {}, {}, memory or {})
 
 
 def audit_serving(model: Model, system: System, chip: Accelerator, grid: Grid, tp: int, batch: int, prompt_tokens: int,

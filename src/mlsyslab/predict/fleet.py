@@ -63,10 +63,12 @@ def young_daly_interval_s(checkpoint_s, mtbf_s):
 
 
 def goodput(interval_s, checkpoint_s, mtbf_s, restart_s):
-    """(1 − δ/τ)·(1 − (τ/2 + R)/M), clipped to [0, 1]."""
+    """(1 − δ/τ)·(1 − (τ/2 + R)/M), each factor clipped to [0, 1]: 0 where checkpoints (δ ≥ τ) or failures
+    (τ/2 + R ≥ M) take all the time — the product of two such negative factors is not a goodput."""
     interval_s, checkpoint_s, mtbf_s, restart_s = (np.asarray(x, dtype=float) for x in (interval_s, checkpoint_s, mtbf_s, restart_s))
-    useful = (1 - checkpoint_s / interval_s) * (1 - (interval_s / 2 + restart_s) / mtbf_s)
-    return np.clip(useful, 0.0, 1.0)
+    between_checkpoints = np.clip(1 - checkpoint_s / interval_s, 0.0, 1.0)
+    between_failures = np.clip(1 - (interval_s / 2 + restart_s) / mtbf_s, 0.0, 1.0)
+    return between_checkpoints * between_failures
 
 
 def predict_fleet(gpus, parameters, storage_write_bw, gpus_per_node=8, restart_s=600.0, interval_s=None,

@@ -53,7 +53,7 @@ def layout_grid(model: Model, hardware: Hardware, gpus: int, global_batch: int, 
     _check_positive(gpus=gpus, global_batch=global_batch, seq=seq)
     tps = [t for t in _powers_of_two(min(gpus, hardware.scale_up_domain)) if model.heads % t == 0]
     pps = [p for p in _divisors(gpus) if model.layers % p == 0]
-    cps = [c for c in _powers_of_two(min(gpus, 16)) if seq % (2 * c) == 0]
+    cps = [c for c in _powers_of_two(min(gpus, 16)) if c == 1 or seq % (2 * c) == 0]  # zig-zag: 2·cp chunks
     eps = [1] if model.moe is None else [e for e in _divisors(gpus) if model.moe.experts % e == 0]
     # (schedule, interleave) pairs; interleaving only with more than one stage (filtered below).
     schedules = [(0, 1), (1, 1)] + [(2, v) for v in INTERLEAVES]

@@ -96,9 +96,10 @@ def search(axes: dict, evaluate, constraints=(), objectives=()) -> SearchResult:
     categories = {name: list(values) for name, values in axes.items() if _categorical(values)}
     metrics = evaluate(columns, categories)
     points = {**columns, **metrics}
+    numeric = sorted(name for name in points if name not in categories and name not in ("reason", "feasible"))
     for item in [*constraints, *objectives]:
-        if item.metric not in points:
-            raise InvalidValue("metric", item.metric, ", ".join(sorted(metrics)))
+        if item.metric not in numeric:
+            raise InvalidValue("metric", item.metric, ", ".join(numeric))
     reason = np.asarray(metrics["reason"], dtype=object)
     ok = np.asarray(metrics["feasible"], dtype=bool)
     for constraint in constraints:

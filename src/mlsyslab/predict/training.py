@@ -291,7 +291,7 @@ def _feasibility(model: Model, layout: Layout, memory: TrainingMemory):
         (experts % layout.ep != 0) | (layout.dp % layout.ep != 0),
         (np.abs(m - np.round(m)) > 1e-9) | (m < 1),
         (layout.schedule == 2) & (np.round(m) % layout.pp != 0),
-        layout.seq % (2 * layout.cp) != 0,
+        (layout.cp > 1) & (layout.seq % (2 * layout.cp) != 0),  # zig-zag shards: 2·cp chunks (none without CP)
         False if memory is None else ~memory.fits,
     ]
     code = np.zeros(layout.dp.shape, dtype=np.int8)

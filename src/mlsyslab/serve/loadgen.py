@@ -115,7 +115,7 @@ def served_models(url: str, timeout_s: float = 10.0) -> list[str]:
         response = httpx.get(base + "/models", timeout=timeout_s)
         response.raise_for_status()
         return [entry["id"] for entry in response.json()["data"]]
-    except httpx.HTTPError as error:
+    except (httpx.HTTPError, httpx.InvalidURL) as error:
         raise InvalidValue("--url", url, valid, f"GET {base}/models: {type(error).__name__}: {error}"[:300]) from None
     except (ValueError, KeyError, TypeError) as error:  # not JSON, or not the API's {"data": [{"id": ...}]}
         raise InvalidValue("--url", url, valid, f"GET {base}/models did not return a model list ({error!r})"[:300]) from None

@@ -30,7 +30,9 @@ def _parse(kind, entries: list[dict], origin: str) -> list:
         except ValidationError as error:
             first = error.errors()[0]
             field = ".".join(str(p) for p in first["loc"]) or kind.__name__
-            raise MlsysError(f"{origin}: {entry.get('name', '?')}: {field}: {first['msg']}") from None
+            given = f" (given: {first['input']!r})" if first["type"] != "missing" and not isinstance(first["input"], dict) \
+                else ""
+            raise MlsysError(f"{origin}: {entry.get('name', '?')}: {field}: {first['msg']}{given}") from None
     return specs
 
 
@@ -68,14 +70,14 @@ def grids() -> list[Grid]:
 def grid(name: str) -> Grid:
     found = _load("grids.yaml", Grid)[1].get(_key(name))
     if found is None:
-        raise UnknownName("grid", name, list(_load("grids.yaml", Grid)[1]))
+        raise UnknownName("grid", name, list(_load("grids.yaml", Grid)[1]), "mlsys predict ops --list-regions")
     return found
 
 
 def accelerator(name: str) -> Accelerator:
     found = _load("accelerators.yaml", Accelerator)[1].get(_key(name))
     if found is None:
-        raise UnknownName("accelerator", name, list(_load("accelerators.yaml", Accelerator)[1]))
+        raise UnknownName("accelerator", name, list(_load("accelerators.yaml", Accelerator)[1]), "mlsys zoo hardware")
     return found
 
 
@@ -110,10 +112,13 @@ def hardware_from_file(path: str) -> tuple[System, Accelerator, dict]:
     """A YAML file with keys `accelerator` and `system` (mappings; the system's `accelerator` defaults to
     it) and optionally `assumptions` (overrides measured for this hardware, as `mlsys calibrate` writes)."""
     data = _read(path, "--hardware-spec")
-    if not isinstance(data, dict) or "accelerator" not in data or "system" not in data:
-        raise InvalidValue("--hardware-spec", path, "a YAML mapping with keys 'accelerator' and 'system'")
+    if not isinstance(data, dict) or not all(isinstance(data.get(key), dict) for key in ("accelerator", "system")):
+        raise InvalidValue("--hardware-spec", path, "a YAML mapping with keys 'accelerator' and 'system', each a mapping")
     chip = _parse(Accelerator, [data["accelerator"]], path)[0]
     system_entry = {"accelerator": chip.name, **data["system"]}
+    if system_entry["accelerator"] != chip.name:
+        raise InvalidValue(f"{path}: system.accelerator", system_entry["accelerator"],
+                           f"the file's accelerator, {chip.name!r} (or left out)")
     assumptions = data.get("assumptions") or {}
     if not isinstance(assumptions, dict):
         raise InvalidValue("--hardware-spec", path, "'assumptions' as a mapping of NAME: VALUE")

@@ -20,10 +20,11 @@ def _quantity(kind: str):
     return BeforeValidator(lambda v: None if v is None else parse_quantity(v, kind))
 
 
-Bytes = Annotated[float, _quantity("bytes")]
-BytesPerSecond = Annotated[float, _quantity("bytes/s")]
-FlopsPerSecond = Annotated[float, _quantity("FLOP/s")]
-Watts = Annotated[float, _quantity("watts")]
+# physical quantities: finite and >= 0 (a field that must be > 0 says so)
+Bytes = Annotated[float, _quantity("bytes"), Field(ge=0, allow_inf_nan=False)]
+BytesPerSecond = Annotated[float, _quantity("bytes/s"), Field(ge=0, allow_inf_nan=False)]
+FlopsPerSecond = Annotated[float, _quantity("FLOP/s"), Field(gt=0, allow_inf_nan=False)]
+Watts = Annotated[float, _quantity("watts"), Field(ge=0, allow_inf_nan=False)]
 
 
 class Spec(BaseModel):
@@ -38,14 +39,14 @@ class Spec(BaseModel):
 class Accelerator(Spec):
     vendor: str
     kind: Literal["gpu", "tpu", "npu", "wafer", "lpu", "cpu"] = "gpu"
-    launch_year: int
-    peak_flops: dict[Literal[DTYPES], FlopsPerSecond]  # dense, per chip
+    launch_year: int = Field(ge=1940, le=2100)
+    peak_flops: dict[Literal[DTYPES], FlopsPerSecond] = Field(min_length=1)  # dense, per chip
     hbm_bytes: Bytes  # off-chip memory capacity (HBM/GDDR); 0 for SRAM-only chips
-    hbm_bw: BytesPerSecond
+    hbm_bw: BytesPerSecond = Field(gt=0)  # the memory roof (an SRAM-only chip's: its SRAM's or its streaming's)
     sram_bytes: Bytes  # on-chip SRAM (L2 / shared memory / CMEM / wafer SRAM)
     scale_up_bw: BytesPerSecond  # per direction, per chip (NVLink, Infinity Fabric, ICI, ...); 0 if none
-    tdp_w: Watts
-    price_usd: float | None = None  # list price where public
+    tdp_w: Watts = Field(gt=0)
+    price_usd: float | None = Field(default=None, ge=0, allow_inf_nan=False)  # list price where public
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for `dtype`; an error, never a fallback, if the chip lacks it."""
@@ -61,11 +62,11 @@ class System(Spec):
     accelerators_per_node: int = Field(ge=1)
     scale_up_domain: int = Field(ge=1)  # accelerators sharing the scale-up fabric (8 for NVL8, 72 for NVL72)
     scale_up_name: str = ""
-    scale_out_bw: BytesPerSecond  # per accelerator, per direction (InfiniBand / RoCE / DCN)
+    scale_out_bw: BytesPerSecond = Field(gt=0)  # per accelerator, per direction (InfiniBand / RoCE / DCN)
     host_memory_bytes: Bytes = 0.0  # per node
     pcie_bw: BytesPerSecond = 0.0  # host <-> accelerator, per accelerator, per direction
     topology: Literal["fat-tree", "rail-optimized", "torus", "dragonfly", "single-node"] = "fat-tree"
-    oversubscription: float = Field(default=1.0, ge=1.0)  # scale-out bisection taper
+    oversubscription: float = Field(default=1.0, ge=1.0, allow_inf_nan=False)  # scale-out bisection taper
     power_overhead_w: Watts = 0.0  # per node, beyond the accelerators (CPUs, NICs, fans)
 
 
@@ -129,6 +130,8 @@ class Model(Spec):
         kv = self.kv_heads or self.heads
         if self.heads % kv:
             raise ValueError(f"heads={self.heads} is not a multiple of kv_heads={kv}")
+        if self.head_dim is None and self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} is not a multiple of heads={self.heads} (or give head_dim)")
         return self
 
     @property
