@@ -108,6 +108,10 @@ def test_roofline_json(capsys, monkeypatch):
     (["predict", "train", "--model", "llama-3-8b", "--hardware", "h100", "--gpus", str(2**70)], "--gpus"),  # traceback
     (["predict", "train", "--model", "llama-3-8b", "--hardware", "h100", "--global-batch", str(2**70)], "--global-batch"),
     (["predict", "train", "--model", "llama-3-8b", "--hardware", "h100", "--tokens", "-1"], "--tokens"),  # -11.7 µs
+    (["predict", "train", "--model", "llama-3-8b", "--hardware", "h100", "--assume", "matmul_efficiency_max=0.5",
+      "--assume", "matmul_efficiency_max=0.6"], "twice"),  # the last one was kept without a word
+    (["bench", "serve", "--url", "http://127.0.0.1:9/v1", "--dtype", "bf16"], "--dtype"),  # was ignored
+    (["bench", "serve", "--url", "http://[::1", "--requests", "1"], "--url"),  # httpx.InvalidURL traceback
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch, args, field):
     code, out, err = run(capsys, monkeypatch, *args)

@@ -56,11 +56,14 @@ def resolve_hardware(name: str | None, spec: Path | None, dtype: str) -> tuple[H
 
 def resolve_assumptions(pairs: list[str] | None, measured: dict | None = None) -> Assumptions:
     """Defaults, then what was measured for the hardware, then the user's --assume NAME=VALUE."""
-    values = dict(measured or {})
+    values, given = dict(measured or {}), set()
     for pair in pairs or []:
         if "=" not in pair:
             raise InvalidValue("--assume", pair, "NAME=VALUE, e.g. matmul_efficiency_max=0.7")
         name, value = pair.split("=", 1)
+        if name.strip() in given:
+            raise InvalidValue("--assume", pair, f"one value per assumption ({name.strip()} is given twice)")
+        given.add(name.strip())
         values[name.strip()] = value.strip()
     return Assumptions().override(values)
 

@@ -257,6 +257,13 @@ def bench_serve_command(
         raise InvalidValue("--no-stream", True, "only with --url (our server streams)")
     if url is not None and hardware is not None:
         raise InvalidValue("--hardware", hardware, "only without --url (the prediction is of this engine)")
+    engine_options = (("--model", model, "default"), ("--dtype", dtype, "fp32"), ("--threads", threads, None),
+                      ("--kv-cache-gb", kv_cache_gb, 1.0), ("--max-batched-tokens", max_batched_tokens, None),
+                      ("--cache-dir", cache_dir, None))
+    for flag, value, default in engine_options if url is not None else ():
+        if value != default:
+            raise InvalidValue(flag, value, "only without --url (it configures the engine we start; --served-name "
+                                            "picks the model at the URL)")
     twin = resolve_hardware(hardware, None, dtype) if hardware is not None else None
     if twin is not None and hardware == "local":
         from mlsyslab.serve.twin import check_calibration

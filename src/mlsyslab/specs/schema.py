@@ -30,7 +30,7 @@ Watts = Annotated[float, _quantity("watts"), Field(ge=0, allow_inf_nan=False)]
 class Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str
+    name: str = Field(min_length=1)
     aliases: list[str] = []
     source: str = Field(min_length=4, description="where the numbers come from (datasheet, paper, URL)")
     notes: str = ""
@@ -121,7 +121,7 @@ class Model(Spec):
     moe: MixtureOfExperts | None = None
     mla: LatentAttention | None = None
     extra_params: int = 0  # parameters outside the stack counted by the publisher (e.g. DeepSeek MTP)
-    published_params: float  # the count the publisher states (total, for MoE)
+    published_params: float = Field(gt=0, allow_inf_nan=False)  # the count the publisher states (total, for MoE)
     published_active_params: float | None = None
     active_count_excludes_input_embedding: bool = False  # the publisher's convention (DeepSeek's)
 
