@@ -69,6 +69,9 @@ def test_queue_prefix_and_disaggregation(capsys, monkeypatch):
     (["sensitivity", "--model", "llama-3-8b", "--hardware", "h100", "--prompt-tokens", "100000"], "--prompt-tokens"),
     (["predict", "disaggregate", "--model", "llama-3-8b", "--hardware", "h100", "--prompt-tokens", "100000"],
      "--prompt-tokens"),
+    (["audit", "--serve", "--model", "llama-3-8b", "--hardware", "h100", "--gpus", "8"], "--gpus"),  # was ignored
+    (["audit", "--model", "llama-3-8b", "--hardware", "h100", "--tp", "2"], "--tp"),  # was ignored
+    (["audit", "--model", "llama-3-8b", "--hardware", "h100", "--out", "/proc/no-such-folder"], "--out"),  # traceback
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch, args, field):
     code, out, err = run(capsys, monkeypatch, *args)

@@ -71,6 +71,14 @@ def test_explain_json(capsys, monkeypatch):
 
 @pytest.mark.parametrize("args, field", [
     (("predict", "data"), "--hardware"),
+    # options of the other workload were ignored (2026-11-27 sweep)
+    (("predict", "wafer", "--model", "llama-3-70b", "--phase", "decode", "--recompute"), "--recompute"),
+    (("predict", "wafer", "--model", "llama-3-70b", "--phase", "training", "--vs-hardware", "none", "--vs-gpus", "5"),
+     "--vs-gpus"),
+    (("explain", "--model", "llama-3-8b", "--hardware", "h100", "--pp", "2"), "--pp"),
+    (("explain", "--model", "llama-3-8b", "--hardware", "h100", "--workload", "training", "--vs-batch", "4"), "--vs-batch"),
+    (("predict", "quantize", "--model", "llama-3-8b", "--hardware", "h100", "--weight-dtypes", "int8,,int4"),
+     "--weight-dtypes"),  # the empty item was dropped
     (("predict", "data", "--hardware", "a100", "--workers", "-1"), "--workers"),
     (("predict", "data", "--step-ms", "40", "--storage-bw", "2 GB"), "--storage-bw"),
     (("predict", "scaling"), "--compute"),

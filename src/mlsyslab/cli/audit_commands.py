@@ -6,7 +6,8 @@ from typing import Annotated
 import typer
 
 from mlsyslab.cli.options import (MAX_ACCELERATORS, Dtype, HardwareName, Json, ModelName, ModelSpec,
-                                  check_greater_than_zero, check_positive, resolve_assumptions, resolve_model)
+                                  check_greater_than_zero, check_positive, check_unused, resolve_assumptions,
+                                  resolve_model)
 from mlsyslab.cli.render import console, emit_json, human, seconds
 from mlsyslab.errors import InvalidValue
 
@@ -43,16 +44,29 @@ def audit_command(
     check_greater_than_zero(tokens=tokens, storage_gbps=storage_gbps)
     grid = catalog.grid(region)
     if serve:
+        check_unused("only without --serve (a training job's; a serving audit runs --tp × --replicas accelerators)",
+                     ("--gpus", gpus, 512), ("--global-batch", global_batch, 1024), ("--seq", seq, 8192),
+                     ("--tokens", tokens, 1e12), ("--storage-gbps", storage_gbps, 100.0))
         check_positive(MAX_ACCELERATORS, replicas=replicas)
         check_positive(tp=tp, batch=batch, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
         check_greater_than_zero(rate=rate)
+    else:
+        check_unused("only with --serve (a training audit plans its own layout)", ("--tp", tp, 1),
+                     ("--replicas", replicas, 1), ("--batch", batch, 32), ("--prompt-tokens", prompt_tokens, 1024),
+                     ("--output-tokens", output_tokens, 256), ("--rate", rate, 5.0))
+    if out.exists() and not out.is_dir():
+        raise InvalidValue("--out", str(out), "a folder (this is a file)")
+    try:  # the last check: it leaves the folder behind
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise InvalidValue("--out", str(out), f"a folder this process can create ({error.strerror})") from None
+    if serve:
         result = audit_serving(spec, system, chip, grid, tp, batch, prompt_tokens, output_tokens, rate, replicas,
                                resolve_assumptions(None), dtype=dtype)
         gpus, global_batch, seq = tp * replicas, batch, prompt_tokens + output_tokens
     else:
         result = audit_training(spec, system, chip, grid, gpus, global_batch, seq, tokens, None, storage_gbps * 1e9,
                                 resolve_assumptions(None), dtype=dtype)
-    out.mkdir(parents=True, exist_ok=True)
     figures = _figures(out, result) if result.step_breakdown_s else []  # none when nothing fits
     report = _markdown(spec.name, system.name, gpus, global_batch, seq, tokens, result, figures)
     (out / "report.md").write_text(report)

@@ -96,6 +96,14 @@ def check_model_shape(spec, tp: int = 1, tokens: int = 0, tokens_field: str = "-
         raise InvalidValue(tokens_field, tokens, f"{what} <= the {spec.max_seq}-token context of {spec.name}")
 
 
+def check_unused(why: str, *options: tuple) -> None:
+    """Refuse an option (flag, value, default) given a value other than its default where it has no effect: `why`
+    says when it does (an ignored option would be a silent surprise)."""
+    for flag, value, default in options:
+        if value != default:
+            raise InvalidValue(flag, value, why)
+
+
 def check_greater_than_zero(**values):
     """Each real-valued option (named by its python name) must be finite and > 0 when given."""
     for name, value in values.items():

@@ -15,8 +15,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from mlsyslab.cli.options import (Json, check_greater_than_zero, check_positive, check_range, resolve_assumptions,
-                                  resolve_hardware)
+from mlsyslab.cli.options import (Json, check_greater_than_zero, check_positive, check_range, check_unused,
+                                  resolve_assumptions, resolve_hardware)
 from mlsyslab.cli.render import emit_json
 from mlsyslab.errors import InvalidValue
 
@@ -257,13 +257,11 @@ def bench_serve_command(
         raise InvalidValue("--no-stream", True, "only with --url (our server streams)")
     if url is not None and hardware is not None:
         raise InvalidValue("--hardware", hardware, "only without --url (the prediction is of this engine)")
-    engine_options = (("--model", model, "default"), ("--dtype", dtype, "fp32"), ("--threads", threads, None),
-                      ("--kv-cache-gb", kv_cache_gb, 1.0), ("--max-batched-tokens", max_batched_tokens, None),
-                      ("--cache-dir", cache_dir, None))
-    for flag, value, default in engine_options if url is not None else ():
-        if value != default:
-            raise InvalidValue(flag, value, "only without --url (it configures the engine we start; --served-name "
-                                            "picks the model at the URL)")
+    if url is not None:
+        check_unused("only without --url (it configures the engine we start; --served-name picks the model at the URL)",
+                     ("--model", model, "default"), ("--dtype", dtype, "fp32"), ("--threads", threads, None),
+                     ("--kv-cache-gb", kv_cache_gb, 1.0), ("--max-batched-tokens", max_batched_tokens, None),
+                     ("--cache-dir", cache_dir, None))
     twin = resolve_hardware(hardware, None, dtype) if hardware is not None else None
     if twin is not None and hardware == "local":
         from mlsyslab.serve.twin import check_calibration

@@ -10,8 +10,8 @@ import numpy as np
 import typer
 
 from mlsyslab.cli.options import (Assume, Dtype, Explain, HardwareName, Json, ModelName, ModelSpec,
-                                  check_greater_than_zero, check_model_shape, check_positive, check_range, resolve, resolve_hardware,
-                                  resolve_model)
+                                  check_greater_than_zero, check_model_shape, check_positive, check_range, check_unused, resolve,
+                                  resolve_hardware, resolve_model)
 from mlsyslab.cli.render import assumptions_table, console, count, emit_json, human, seconds, table
 from mlsyslab.errors import InvalidValue
 from mlsyslab.predict import algorithm, data_pipeline, explain, wafer
@@ -269,8 +269,11 @@ def predict_wafer(
     if phase not in wafer.PHASES:
         raise InvalidValue("--phase", phase, ", ".join(wafer.PHASES))
     check_positive(batch=batch, seq=seq, vs_gpus=vs_gpus)
-    if seq > spec.max_seq:
-        raise InvalidValue("--seq", seq, f"<= the {spec.max_seq}-token context of {spec.name}")
+    check_model_shape(spec, tokens=seq, tokens_field="--seq")
+    if phase != "training":
+        check_unused("only with --phase training", ("--recompute", recompute, False), ("--vs-gpus", vs_gpus, None))
+    if vs_hardware == "none":
+        check_unused("only with a GPU system to compare with (--vs-hardware)", ("--vs-gpus", vs_gpus, None))
     hw, _ = resolve_hardware(hardware, None, dtype)
     system, chip = catalog.hardware(hardware)
     on_chip = chip.sram_bytes if chip.kind == "wafer" or not chip.hbm_bytes else chip.hbm_bytes
@@ -377,6 +380,14 @@ def explain_command(
     hw_b = resolve_hardware(vs_hardware, None, dtype)[0] if vs_hardware else hw_a
     if workload not in WORKLOADS:
         raise InvalidValue("--workload", workload, ", ".join(WORKLOADS))
+    if workload == "decode":
+        check_unused("only with --workload training", ("--gpus", gpus, 8), ("--pp", pp, 1), ("--zero", zero, 1),
+                     ("--micro-batch", micro_batch, 1), ("--global-batch", global_batch, None), ("--seq", seq, 4096),
+                     ("--recompute", recompute, "selective"))
+    else:
+        check_unused("only with --workload decode", ("--batch", batch, 1), ("--vs-batch", vs_batch, None),
+                     ("--prompt-tokens", prompt_tokens, 1024), ("--output-tokens", output_tokens, 256),
+                     ("--weight-dtype", weight_dtype, None), ("--vs-weight-dtype", vs_weight_dtype, None))
     check_positive(batch=batch, vs_batch=vs_batch, tp=tp, vs_tp=vs_tp, prompt_tokens=prompt_tokens,
                    output_tokens=output_tokens, gpus=gpus, pp=pp, micro_batch=micro_batch, global_batch=global_batch, seq=seq)
     for flag, value in (("--weight-dtype", weight_dtype), ("--vs-weight-dtype", vs_weight_dtype)):
