@@ -69,6 +69,8 @@ def test_queue_prefix_and_disaggregation(capsys, monkeypatch):
     (["sensitivity", "--model", "llama-3-8b", "--hardware", "h100", "--prompt-tokens", "100000"], "--prompt-tokens"),
     (["predict", "disaggregate", "--model", "llama-3-8b", "--hardware", "h100", "--prompt-tokens", "100000"],
      "--prompt-tokens"),
+    (["predict", "prune", "--model", "llama-3.1-405b", "--hardware", "h100"], "fit"),  # speedups of what cannot run
+    (["predict", "prefix-cache", "--model", "llama-3.1-405b", "--hardware", "h100"], "fit"),
     (["audit", "--serve", "--model", "llama-3-8b", "--hardware", "h100", "--gpus", "8"], "--gpus"),  # was ignored
     (["audit", "--model", "llama-3-8b", "--hardware", "h100", "--tp", "2"], "--tp"),  # was ignored
     (["audit", "--model", "llama-3-8b", "--hardware", "h100", "--out", "/proc/no-such-folder"], "--out"),  # traceback

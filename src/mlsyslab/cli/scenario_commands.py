@@ -187,9 +187,7 @@ def reasoning_command(
     check_range("--baseline-usd-per-year", baseline_usd_per_year, 0)
     long = predict_inference(spec, hw, batch, prompt_tokens, output_tokens * steps, tp, assumptions=assumptions)
     short = predict_inference(spec, hw, batch, prompt_tokens, output_tokens, tp, assumptions=assumptions)
-    for r in (short, long):
-        if not bool(np.all(r.feasible)):
-            raise InvalidValue("scenario", f"{spec.name} on {hw.name} TP{tp}", "a deployment that fits", reason=r.reason(0))
+    _require_fit(spec, hw, tp, short, long)
     # GPU-seconds per batch of requests: one prefill, then each generated token costs one decode step.
     short_s = float(short.ttft_s + output_tokens * short.itl_s)
     long_s = float(long.ttft_s + steps * output_tokens * long.itl_s)
@@ -354,10 +352,12 @@ def prune_command(
 ):
     """Speedup from pruning, by phase: memory-bound decode vs compute-bound prefill and training."""
     from mlsyslab.predict.algorithm import pruning_effect
+    from mlsyslab.predict.inference import predict_inference
 
     spec, hw, assumptions = resolve(model, model_spec, hardware, hardware_spec, dtype, None)
     check_positive(batch=batch, tp=tp)
     check_model_shape(spec, tp)
+    _require_fit(spec, hw, tp, predict_inference(spec, hw, batch, 1, 1, tp, assumptions=assumptions))  # unpruned
     effect = pruning_effect(spec, hw, density, structured, batch=batch, tp=tp, assumptions=assumptions)
     report = {"model": spec.name, "hardware": hw.name, "density": density, "structured": structured,
               "weight_bytes_fraction": effect.weight_bytes_fraction, "flops_fraction": effect.flops_fraction,
@@ -366,6 +366,13 @@ def prune_command(
         return emit_json(report)
     console.print(table(f"{spec.name} on {hw.name}, density {density:g}{' (2:4)' if structured else ''}",
                         [(phase, f"{value:.2f}x") for phase, value in report["speedup"].items()], ("phase", "speedup")))
+
+
+def _require_fit(spec, hw, tp: int, *predictions) -> None:
+    """A scenario's numbers mean nothing for a deployment that does not fit: refuse it, saying why."""
+    for r in predictions:
+        if not bool(np.all(r.feasible)):
+            raise InvalidValue("scenario", f"{spec.name} on {hw.name} TP{tp}", "a deployment that fits", reason=r.reason(0))
 
 
 def queue_command(
@@ -415,6 +422,7 @@ def prefix_cache_command(
     check_range("--hit-rate", hit_rate, 0, 1)
     remaining = float(prefix_cache_prefill_fraction(shared_fraction, hit_rate))
     cold = predict_inference(spec, hw, batch, prompt_tokens, 1, tp, assumptions=assumptions)
+    _require_fit(spec, hw, tp, cold)
     warm = predict_inference(spec, hw, batch, max(1.0, prompt_tokens * remaining), 1, tp, assumptions=assumptions)
     report = {"prefill_fraction": remaining, "ttft_cold_s": float(cold.ttft_s), "ttft_warm_s": float(warm.ttft_s),
               "ttft_ratio": float(cold.ttft_s / warm.ttft_s)}
@@ -444,9 +452,7 @@ def disaggregate_command(
     check_model_shape(spec, tp, prompt_tokens + output_tokens)
     prefill = predict_inference(spec, hw, 1, prompt_tokens, 1, tp, assumptions=assumptions)
     decode = predict_inference(spec, hw, decode_batch, prompt_tokens, output_tokens, tp, assumptions=assumptions)
-    for r in (prefill, decode):
-        if not bool(np.all(r.feasible)):
-            raise InvalidValue("scenario", f"{spec.name} on {hw.name} TP{tp}", "a deployment that fits", reason=r.reason(0))
+    _require_fit(spec, hw, tp, prefill, decode)
     pools = disaggregated_pools(rate, prompt_tokens, output_tokens, prompt_tokens / float(prefill.ttft_s) / tp,
                                 float(decode.tokens_per_s) / tp, kv_bytes_per_token(spec, dtype), link_gbps * 1e9)
     report = {"prefill_gpus": int(pools.prefill_gpus), "decode_gpus": int(pools.decode_gpus),
