@@ -64,7 +64,11 @@ def test_generate_under_a_json_schema_or_a_regex(capsys, monkeypatch, tmp_path):
                                          (["bench", "serve", "--url", "http://127.0.0.1:9/v1", "--hardware", "local"], "--hardware"),
                                          (["bench", "serve", "--hardware", "no-such-chip"], "no-such-chip"),
                                          (["bench", "serve", "--no-stream"], "--no-stream"),
-                                         (["calibrate", "--threads", "0"], "--threads")])
+                                         (["calibrate", "--threads", "0"], "--threads"),
+                                         (["calibrate", "--nproc", "1000"], "--nproc"),  # would fork 1,000 ranks
+                                         (["generate", "hi", "--top-k", "5"], "--top-k"),  # greedy: was ignored
+                                         (["schedule", "1f1b", "--png", "/tmp"], "--png"),  # IsADirectoryError
+                                         (["schedule", "1f1b", "--trace", "/proc/x.json"], "--trace")])
 def test_bad_options_exit_2_with_one_line(capsys, monkeypatch, args, field):
     code, out, err = run(capsys, monkeypatch, *args)
     assert code == 2 and out == ""

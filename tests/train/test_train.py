@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from mlsyslab.errors import InvalidValue
 from mlsyslab.train.trainer import TrainConfig
 from tests.cli.test_cli import run
 
@@ -81,6 +83,15 @@ def mlsys(*args, **kwargs):
     (["--lr", "-1"], "lr"), (["--lr", "nan"], "lr"), (["--lr-schedule", "linear"], "lr_schedule"),
     (["--steps", "10", "--warmup-steps", "11"], "warmup_steps"), (["--min-lr-ratio", "2"], "min_lr_ratio"),
     (["--clip-grad-norm", "-1"], "clip_grad_norm"),
+    # found by a sweep (2026-11-27): tracebacks before launch, ignored options, a wrong field named
+    (["--tp", "0"], "tp"), (["--dp", "0"], "dp"), (["--global-batch", "-8"], "global-batch"),
+    (["--micro-batch", "0"], "micro-batch"), (["--micro-batch", "2", "--microbatches", "4"], "microbatches"),
+    (["--checkpoint-every", "1"], "checkpoint_every"),  # no --checkpoint-dir: nothing was written
+    (["--schedule", "gpipe"], "schedule"),  # no pipeline: it was ignored
+    (["--steps", "-1"], "steps"),  # named warmup_steps
+    (["--lr-schedule", "cosine", "--steps", "2", "--warmup-steps", "2"], "warmup_steps"),  # never decays
+    (["--pp", "2", "--timeline", "/proc/timeline.png"], "timeline"),  # failed in the ranks after training
+    (["--hardware", "a100", "--hardware-spec", "hw.yaml"], "--hardware"),  # the spec won silently
     (["--checkpoint-every", "-1"], "checkpoint_every"),
     (["--schedule", "bogus"], "schedule"),  # without --pp too
     (["--schedule", "interleaved", "--interleave", "2"], "interleave"),  # no pipeline to interleave
@@ -99,17 +110,35 @@ def test_bad_input_is_refused_before_launch(tiny, args, field, capsys, monkeypat
 
 
 def test_resume_from_a_damaged_checkpoint(tiny, tmp_path, capsys, monkeypatch):
-    """A checkpoint directory without dcp's metadata is refused before launch (exit 2); one whose metadata does
-    not load fails in the ranks, and the run exits 1 with the error on stderr and nothing on stdout."""
+    """A checkpoint directory without dcp's metadata, or whose metadata does not load, is refused before launch
+    (exit 2; the second failed in the ranks, exit 1, before its metadata was read up front)."""
     damaged = tmp_path / "step_00000002"
     damaged.mkdir()
-    code, _, err = run(capsys, monkeypatch, "train", "--model-spec", str(tiny), "--checkpoint-dir", str(tmp_path),
-                       "--resume")
+    args = ("train", "--model-spec", str(tiny), "--checkpoint-dir", str(tmp_path), "--resume")
+    code, _, err = run(capsys, monkeypatch, *args)
     assert code == 2 and "checkpoint_dir" in err and ".metadata" in err
     (damaged / ".metadata").write_bytes(b"not a checkpoint")
-    result = mlsys("train", "--model-spec", str(tiny), "--nproc", "2", "--global-batch", "4", "--seq", "32", "--json",
-                   "--checkpoint-dir", str(tmp_path), "--resume")
-    assert result.returncode == 1 and result.stdout == "" and "error: training failed" in result.stderr
+    code, _, err = run(capsys, monkeypatch, *args)
+    assert code == 2 and "checkpoint_dir" in err and ".metadata reads" in err
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_with_a_shard_missing_or_cut_short_is_refused(tmp_path):
+    """Every file dcp's metadata lists must be there, as long as it says (a lost or truncated shard failed in the
+    ranks after launch, with a traceback per rank)."""
+    import torch.distributed.checkpoint as dcp
+
+    from mlsyslab.train import checkpoint
+
+    dcp.save({"weight": torch.arange(1000.0)}, checkpoint_id=str(tmp_path), no_dist=True)
+    checkpoint.check_complete(tmp_path)  # whole
+    shard = next(tmp_path.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(InvalidValue, match="cut short"):
+        checkpoint.check_complete(tmp_path)
+    shard.unlink()
+    with pytest.raises(InvalidValue, match=shard.name):
+        checkpoint.check_complete(tmp_path)
 
 
 def test_two_nodes_train_as_one_process(tiny, single_process_losses):

@@ -16,7 +16,7 @@ def calibrate_command(
 ):
     """Matmul FLOP/s, memory bandwidth, kernel overhead, and the all-reduce alpha-beta of gloo and of the shared memory
     TP and data parallelism alone take, for N ranks → --hardware local."""
-    check_positive(nproc=nproc, threads=threads)
+    check_positive(64, nproc=nproc, threads=threads)  # processes and threads on this machine
     from mlsyslab.measure.calibrate import calibrate
     from mlsyslab.specs.catalog import LOCAL_HARDWARE
 

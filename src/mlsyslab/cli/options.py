@@ -34,6 +34,8 @@ def resolve_hardware(name: str | None, spec: Path | None, dtype: str) -> tuple[H
     """The hardware, and the assumptions measured for it (a calibrated spec carries its own)."""
     if dtype not in DTYPES:
         raise InvalidValue("--dtype", dtype, ", ".join(DTYPES))
+    if spec is not None and name:
+        raise InvalidValue("--hardware", name, "omitted with --hardware-spec (the file is the hardware)")
     if spec is None and name == "local":
         if not catalog.LOCAL_HARDWARE.is_file():
             raise InvalidValue("--hardware", name, "a catalog name, or run `mlsys calibrate` first to measure this machine")
@@ -102,6 +104,22 @@ def check_unused(why: str, *options: tuple) -> None:
     for flag, value, default in options:
         if value != default:
             raise InvalidValue(flag, value, why)
+
+
+def check_output_file(flag: str, path: Path, suffixes: tuple[str, ...]) -> None:
+    """`path` must end in one of `suffixes` and be a file this process can write (checked by opening it for appending,
+    which leaves an existing file as it was and removes a new one), before any work."""
+    valid = f"a {' or '.join(suffixes)} file this process can write"
+    if path.suffix not in suffixes or path.is_dir():
+        raise InvalidValue(flag, str(path), valid)
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as error:
+        raise InvalidValue(flag, str(path), f"{valid} ({error.strerror})") from None
+    if not existed:
+        path.unlink()
 
 
 def check_greater_than_zero(**values):

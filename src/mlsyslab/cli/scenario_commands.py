@@ -8,7 +8,8 @@ import numpy as np
 import typer
 
 from mlsyslab.cli.options import (MAX_ACCELERATORS, MAX_COUNT, Dtype, HardwareName, HardwareSpec, Json, ModelName,
-                                  ModelSpec, check_greater_than_zero, check_model_shape, check_positive, check_range, resolve)
+                                  ModelSpec, check_greater_than_zero, check_model_shape, check_output_file, check_positive,
+                                  check_range, resolve)
 from mlsyslab.cli.render import console, emit_json, human, seconds, table
 from mlsyslab.errors import InvalidValue
 from mlsyslab.predict.architecture import parameters
@@ -262,8 +263,8 @@ def search_command(
         catalog.hardware(name)
     check_positive(top=top)
     for option, path, suffix in (("--csv", csv, ".csv"), ("--plot", plot, ".png")):
-        if path is not None and (path.suffix != suffix or not path.parent.is_dir() or path.is_dir()):
-            raise InvalidValue(option, str(path), f"a {suffix} file in an existing folder")
+        if path is not None:
+            check_output_file(option, path, (suffix,))
     axes = {"model": list(model), "hardware": list(hardware), "weight_dtype": _names(weight_dtype, "--weight-dtype"),
             "tp": _counts(tp, "--tp"), "batch": _counts(batch, "--batch"),
             "prompt_tokens": _counts(prompt_tokens, "--prompt-tokens"),

@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from mlsyslab.cli.options import Json, check_greater_than_zero, check_positive
+from mlsyslab.cli.options import Json, check_greater_than_zero, check_output_file, check_positive
 from mlsyslab.cli.render import console, emit_json, table
 from mlsyslab.errors import InvalidValue
 
@@ -37,8 +37,8 @@ def schedule_command(
                            f"{stages} stages × {interleave} chunks (stages·microbatches·interleave <= {MAX_ACTIONS})")
     check_greater_than_zero(forward=forward_s, backward=backward_s)
     for option, path, suffix in (("--png", png, ".png"), ("--trace", trace, ".json")):
-        if path is not None and (path.suffix != suffix or not path.parent.is_dir()):
-            raise InvalidValue(option, str(path), f"a {suffix} path in an existing folder")
+        if path is not None:
+            check_output_file(option, path, (suffix,))
     from mlsyslab.parallel.schedules import build, chrome_trace, render_png, timeline, weight_versions
     from mlsyslab.predict.pipeline import pipeline_bubble_fraction
 

@@ -117,7 +117,7 @@ def generate_command(
     model: ModelPath = "default", max_tokens: Annotated[int, typer.Option(help="tokens to generate at most")] = 128,
     temperature: Annotated[float, typer.Option(help="0: greedy")] = 0.0,
     top_p: Annotated[float, typer.Option(help="nucleus sampling mass")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="sample among the k most likely (0: off)")] = 0,
+    top_k: Annotated[int, typer.Option(help="sample among the k most likely (0 or -1: off)")] = 0,
     seed: Annotated[Optional[int], typer.Option(help="random seed (same seed, same text)")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="complete the text as is, without the chat template")] = False,
     dtype: ServeDtype = "fp32", threads: Threads = None, speculative_tokens: SpeculativeTokens = 0,
@@ -131,6 +131,9 @@ def generate_command(
     from mlsyslab.serve.output import Delta
     from mlsyslab.serve.sampling import SamplingParams
 
+    if temperature == 0:
+        check_unused("with --temperature > 0 (greedy takes the most likely token)", ("--top-p", top_p, 1.0),
+                     ("--top-k", 0 if top_k == -1 else top_k, 0))
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             structured_output=structured_output(json_schema, regex))
     loaded, tokenizer, name = load(model, dtype, threads, cache_dir)

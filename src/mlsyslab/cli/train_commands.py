@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from mlsyslab.cli.options import HardwareSpec, Json, ModelName, ModelSpec, resolve_assumptions, resolve_hardware, resolve_model
+from mlsyslab.cli.options import (HardwareSpec, Json, ModelName, ModelSpec, check_output_file, check_positive,
+                                  resolve_assumptions, resolve_hardware, resolve_model)
 from mlsyslab.cli.render import console, emit_json, human, seconds, table
 from mlsyslab.errors import InvalidValue
 
@@ -64,6 +65,12 @@ def train_command(
     from mlsyslab.verify.training import compare_mesh_training, compare_training
 
     _check_launch(nproc, nnodes, node_rank, master_port)
+    check_positive(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, steps=steps, seq=seq, global_batch=global_batch,
+                   micro_batch=micro_batch, microbatches=microbatches)  # before the layout's arithmetic divides by them
+    if micro_batch is not None and microbatches is not None:
+        raise InvalidValue("--microbatches", microbatches, "omitted with --micro-batch (each sets the other)")
+    if timeline is not None:
+        check_output_file("--timeline", timeline, (".png", ".json"))
     spec = resolve_model(model, model_spec)
     config = TrainConfig(model=spec.model_dump(), strategy=strategy, nproc=nproc * nnodes, steps=steps, seq=seq,
                          global_batch=global_batch, micro_batch=1, lr=lr, lr_schedule=lr_schedule,
@@ -73,7 +80,7 @@ def train_command(
                          checkpoint_every=checkpoint_every, resume=resume, tp=tp, pp=pp, cp=cp, ep=ep, dp=dp,
                          schedule=schedule, interleave=interleave, timeline=str(timeline.resolve()) if timeline else None,
                          sequence_parallel=sequence_parallel)
-    config.micro_batch = micro_batch or _micro_batch(config, microbatches)
+    config.micro_batch = micro_batch if micro_batch is not None else _micro_batch(config, microbatches)
     config.validate()
     hw, measured = resolve_hardware(hardware, hardware_spec, "bf16" if bf16 else "fp32") if (hardware or hardware_spec) else (None, {})
     assumptions = resolve_assumptions(None, measured)
@@ -104,8 +111,10 @@ def train_command(
             print(f"node {node_rank} of {nnodes}: its ranks finished; node 0 prints the report", file=sys.stderr)
             return
         result = jsonlib.loads(result_path.read_text())
+    if resume and result["first_step"] == 0:
+        print(f"note: no checkpoint in {checkpoint_dir}: started from step 0", file=sys.stderr)
     compare = compare_mesh_training if config.on_mesh else compare_training
-    comparison = compare(config, result, hw, assumptions)
+    comparison = compare(config, result, hw, assumptions) if result["losses"] else None  # nothing ran: nothing measured
     report = {"config": config.__dict__, "result": result, "predicted_vs_measured": comparison}
     if json:
         return emit_json(report)
@@ -146,7 +155,10 @@ def _print(config, result, comparison) -> None:
                   f"steps {result['first_step'] + 1}-{config.steps}, loss {losses[0]:.4f} → {losses[-1]:.4f}, "
                   + (f"gradient norm {norms[0]:.4g} → {norms[-1]:.4g} (clipped to {config.clip_grad_norm:g}), "
                      if norms else "")
-                  + f"{result['tokens_per_s']:,.0f} tokens/s" if losses else "nothing to do: already trained")
+                  + f"{result['tokens_per_s']:,.0f} tokens/s" if losses else
+                  f"nothing to do: the newest checkpoint in {config.checkpoint_dir} is at step {result['first_step']}")
+    if comparison is None:
+        return
     fmt = lambda v: "—" if v is None else human(v, "B")  # noqa: E731
     ratio = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
     if "memory_bytes" in comparison:

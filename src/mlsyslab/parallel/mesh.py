@@ -77,9 +77,10 @@ class MeshLayout:
                                            ("tp", self.tp, model_config.ffn_hidden, "MLP hidden units"),
                                            ("tp", self.tp, model_config.expert_hidden, "expert hidden units"),
                                            ("pp", self.pp, model_config.layers, "layers"),
-                                           ("cp", 2 * self.cp, seq, "sequence (zig-zag: 2·cp chunks)")):
+                                           ("cp", 2 * self.cp, seq, "tokens of a sequence")):
             if divides % value:
-                raise InvalidValue(name, getattr(self, name), f"a divisor of the {divides} {what}")
+                rule = "2·cp (zig-zag: 2·cp chunks) dividing" if name == "cp" else "a divisor of"
+                raise InvalidValue(name, getattr(self, name), f"{rule} the {divides} {what}")
         if self.ep > 1 and not model_config.experts:
             raise InvalidValue("ep", self.ep, "1 for a dense model (no expert layers to split)")
         for name, value, divides, what in (("ep", self.ep, self.dp, "data-parallel ranks (EP splits DP)"),

@@ -48,12 +48,40 @@ def save(directory: str, step: int, rank: Rank, state: dict, run: dict) -> Path:
     return final
 
 
+def check_complete(checkpoint: Path) -> None:
+    """Raise unless every file DCP's metadata lists is there, holding at least the bytes it says (a shard lost or cut
+    short would fail inside the ranks, after launch)."""
+    if not (checkpoint / ".metadata").is_file():
+        raise InvalidValue("checkpoint_dir", str(checkpoint), "a checkpoint mlsys train wrote (it has no .metadata)")
+    import torch.distributed.checkpoint as dcp  # (~1 s to import: only when resuming)
+
+    try:
+        storage = dcp.FileSystemReader(str(checkpoint)).read_metadata().storage_data
+    except Exception as error:  # noqa: BLE001 — any failure to read it is a damaged checkpoint
+        raise InvalidValue("checkpoint_dir", str(checkpoint), f"a checkpoint whose .metadata reads ({error!r:.200})") from None
+    needed: dict = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    damaged = [name for name, size in sorted(needed.items())
+               if not (checkpoint / name).is_file() or (checkpoint / name).stat().st_size < size]
+    if damaged:
+        raise InvalidValue("checkpoint_dir", str(checkpoint), f"a whole checkpoint ({', '.join(damaged[:4])} missing or "
+                           "cut short): move it away to resume from the one before")
+
+
 def check_resumable(checkpoint: Path, run: dict) -> None:
     """Raise unless `run` matches the fields of the run that wrote `checkpoint` (one written before they were kept
     passes: DCP then names the first key or shape that differs, in the ranks)."""
     if not (checkpoint / RUN_FILE).is_file():
         return
-    written = json.loads((checkpoint / RUN_FILE).read_text())
+    try:
+        written = json.loads((checkpoint / RUN_FILE).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InvalidValue("checkpoint_dir", str(checkpoint), f"a checkpoint mlsys train wrote ({RUN_FILE} is damaged: "
+                           f"{error}); move it away to resume from an earlier one") from None
+    if not isinstance(written, dict):
+        raise InvalidValue("checkpoint_dir", str(checkpoint), f"a checkpoint mlsys train wrote ({RUN_FILE} is not a "
+                           "mapping)")
     for field, value in json.loads(json.dumps(run)).items():  # as JSON keeps it: tuples as lists
         if written.get(field) != value:
             shown = value if field != "model" else value.get("name")

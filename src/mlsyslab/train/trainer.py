@@ -121,7 +121,7 @@ class TrainConfig:
         """Every rule, checked before any process starts."""
         if self.strategy not in STRATEGIES:
             raise InvalidValue("strategy", self.strategy, ", ".join(STRATEGIES))
-        for name in ("tp", "pp", "cp", "ep", "interleave"):
+        for name in ("tp", "pp", "cp", "ep", "interleave", "nproc", "steps", "seq", "global_batch", "micro_batch"):
             if getattr(self, name) < 1:
                 raise InvalidValue(name, getattr(self, name), "an integer >= 1")
         if not (math.isfinite(self.lr) and self.lr >= 0):
@@ -130,6 +130,9 @@ class TrainConfig:
             raise InvalidValue("lr_schedule", self.lr_schedule, ", ".join(LR_SCHEDULES))
         if not 0 <= self.warmup_steps <= self.steps:
             raise InvalidValue("warmup_steps", self.warmup_steps, f"0..{self.steps} (--steps)")
+        if self.lr_schedule == "cosine" and self.warmup_steps >= self.steps:
+            raise InvalidValue("warmup_steps", self.warmup_steps, f"fewer than the {self.steps} --steps, for the "
+                               "cosine to decay after the warmup")
         if not 0 <= self.min_lr_ratio <= 1:
             raise InvalidValue("min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
         if not (math.isfinite(self.clip_grad_norm) and self.clip_grad_norm >= 0):
@@ -158,9 +161,6 @@ class TrainConfig:
                                "existing folder, with --pp > 1")
         if self.offload and not self.strategy.startswith("zero"):
             raise InvalidValue("offload", True, "with --strategy zero1, zero2 or zero3 (ZeRO-Offload)")
-        for name in ("nproc", "steps", "seq", "global_batch", "micro_batch"):
-            if getattr(self, name) < 1:
-                raise InvalidValue(name, getattr(self, name), "an integer >= 1")
         dp = self.data_parallel
         if dp > self.global_batch:
             raise InvalidValue("nproc" if not self.on_mesh else "dp", dp, f"<= the global batch of {self.global_batch} sequences")
@@ -171,10 +171,13 @@ class TrainConfig:
                                f"a divisor of the {self.global_batch // dp} sequences per data-parallel rank")
         if self.resume and not self.checkpoint_dir:
             raise InvalidValue("resume", True, "with a checkpoint directory")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise InvalidValue("checkpoint_every", self.checkpoint_every, "with --checkpoint-dir (where to write them)")
+        if self.pp == 1 and self.schedule != "1f1b":
+            raise InvalidValue("schedule", self.schedule, "1f1b (the default) without --pp: there is no pipeline")
         newest = checkpoint.completed(self.checkpoint_dir)[-1:] if self.resume else []
-        if newest and not (newest[0] / ".metadata").is_file():
-            raise InvalidValue("checkpoint_dir", str(newest[0]), "a checkpoint mlsys train wrote (it has no .metadata)")
         if newest:
+            checkpoint.check_complete(newest[0])
             checkpoint.check_resumable(newest[0], self.checkpoint_fields)
         spec = Model(**self.model)
         if self.seq > spec.max_seq:
