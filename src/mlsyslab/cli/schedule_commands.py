@@ -11,11 +11,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from mlsyslab.cli.options import Json, check_greater_than_zero, check_output_file, check_positive
+from mlsyslab.cli.options import Json, check_greater_than_zero, check_output_file, check_positive, check_range
 from mlsyslab.cli.render import console, emit_json, table
 from mlsyslab.errors import InvalidValue
 
 MAX_ACTIONS = 2**16  # forward and backward actions a schedule may have: each is simulated and listed (~30,000 a second)
+MAX_STAGE_S = 1e9  # seconds of a stage's forward or backward (32 years)
 
 
 def schedule_command(
@@ -36,6 +37,8 @@ def schedule_command(
         raise InvalidValue("--microbatches", microbatches, f"at most {MAX_ACTIONS // (stages * interleave)} with "
                            f"{stages} stages × {interleave} chunks (stages·microbatches·interleave <= {MAX_ACTIONS})")
     check_greater_than_zero(forward=forward_s, backward=backward_s)
+    check_range("--forward", forward_s, 0, MAX_STAGE_S)  # their sums over a schedule must stay finite
+    check_range("--backward", backward_s, 0, MAX_STAGE_S)
     for option, path, suffix in (("--png", png, ".png"), ("--trace", trace, ".json")):
         if path is not None:
             check_output_file(option, path, (suffix,))

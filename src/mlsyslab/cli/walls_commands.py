@@ -301,7 +301,11 @@ def _gpu_comparison(spec, name, phase, batch, seq, dtype, gpus, wafer_s):
     gpu, _ = resolve_hardware(name, None, dtype)
     if phase == "training":
         gpus = gpus or gpu.accelerators_per_node
-        result = plan(spec, gpu, gpus, batch, seq)
+        try:
+            result = plan(spec, gpu, gpus, batch, seq)
+        except InvalidValue:  # no layout of that many GPUs splits the batch: say so of the options the user gave
+            raise InvalidValue("--vs-gpus", gpus, f"a GPU count for which some layout of {spec.name} splits the --batch "
+                               f"of {batch} sequences evenly") from None
         if not len(result.ranked):
             return {"hardware": gpu.name, "gpus": gpus, "feasible": False, "time_s": None, "wafer_speedup": None,
                     "reason": "no layout fits: " + "; ".join(f"{k} ({n})" for k, n in result.infeasible.items())}
