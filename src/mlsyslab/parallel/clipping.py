@@ -23,6 +23,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from mlsyslab.comm.launch import Rank
 from mlsyslab.comm.log import CommLog, nbytes, traced
 
 
@@ -51,9 +52,11 @@ def squares_dtype(gradients: Iterable[torch.Tensor | None]) -> torch.dtype:
     return torch.float64 if any(g is not None and g.dtype == torch.float64 for g in gradients) else torch.float32
 
 
-def global_norm(squares: torch.Tensor, log: CommLog | None = None) -> float:
-    """The whole gradient's norm from this rank's weighted squares: one all-reduce over every rank."""
-    traced(log, "all_reduce", nbytes(squares), dist.get_world_size(), dist.all_reduce, squares)
+def global_norm(squares: torch.Tensor, log: CommLog | None = None, rank: Rank | None = None) -> float:
+    """The whole gradient's norm from this rank's weighted squares: one all-reduce over every rank (or over `rank`'s
+    group, where its ranks hold the whole gradient between them: ZeRO alone)."""
+    group, size = (None, dist.get_world_size()) if rank is None else (rank.group, rank.world_size)
+    traced(log, "all_reduce", nbytes(squares), size, dist.all_reduce, squares, group=group)
     return squares.sqrt().item()
 
 

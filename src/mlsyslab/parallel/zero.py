@@ -35,7 +35,7 @@ from mlsyslab.comm.log import CommLog, nbytes, traced
 from mlsyslab.comm.p2p import Pending
 from mlsyslab.errors import InvalidValue
 from mlsyslab.parallel.buckets import InOrder, bucket_parameters
-from mlsyslab.parallel.clipping import clip_factor
+from mlsyslab.parallel.clipping import clip_factor, global_norm
 
 
 class ZeroDataParallel(nn.Module):
@@ -122,10 +122,7 @@ class ZeroDataParallel(nn.Module):
         gradients = self.partition.shard_gradients() if self.stage == 3 else [b.slice_grad for b in self.buckets]
         slices = self.partition.shards if self.stage == 3 else [b.slice for b in self.buckets]
         if max_grad_norm > 0 and norm is None:  # each rank's slices are its own: their squares summed over the group
-            squares = self.gradient_squares()
-            traced(self.log, "all_reduce", nbytes(squares), self.rank.world_size, dist.all_reduce, squares,
-                   group=self.rank.group)
-            norm = squares.sqrt().item()
+            norm = global_norm(self.gradient_squares(), self.log, self.rank)
         scale = clip_factor(norm, max_grad_norm) if max_grad_norm > 0 else None
         for master, gradient in zip(self.masters, gradients):
             master.grad = torch.zeros_like(master) if gradient is None else gradient.to(master.device, master.dtype)

@@ -81,7 +81,7 @@ class TrainConfig:
     lr_schedule: str = "constant"  # or "cosine": decay to min_lr_ratio · lr at the last step (`lr_at`)
     warmup_steps: int = 0  # linear warmup to lr over the first steps
     min_lr_ratio: float = 0.1
-    clip_grad_norm: float = 0.0  # > 0: clip the gradient to this global L2 norm before each update (data-parallel trainer)
+    clip_grad_norm: float = 0.0  # > 0: clip the gradient to this global L2 norm before each update (not under pipedream)
     bf16: bool = False
     offload: bool = False
     seed: int = 0
