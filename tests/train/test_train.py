@@ -255,7 +255,8 @@ def test_sigkill_then_resume_reproduces_the_losses_bitwise(tiny, tmp_path):
     command = [sys.executable, "-m", "mlsyslab", "train", "--model-spec", str(tiny), "--nproc", "2", "--global-batch",
                "4", "--seq", "32", "--strategy", "zero2", "--steps", steps, "--checkpoint-dir", str(directory),
                "--checkpoint-every", "2", "--json"]
-    run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                           env={**os.environ, "TMPDIR": str(tmp_path)})  # its work directory outlives SIGKILL
     deadline = time.time() + 240
     while time.time() < deadline and not (directory / "step_00000004").is_dir() and run.poll() is None:
         time.sleep(0.05)
@@ -270,6 +271,41 @@ def test_sigkill_then_resume_reproduces_the_losses_bitwise(tiny, tmp_path):
     first = resumed["result"]["first_step"]
     assert 0 < first < 8
     assert resumed["result"]["losses"] == reference[first:]  # bitwise: same floats
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGKILL, marks=pytest.mark.slow)])
+def test_a_stopped_train_leaves_no_rank_running(tiny, tmp_path, signum):
+    """A signal to `mlsys train` alone, mid-run (`timeout` and job schedulers send SIGTERM): torchrun and every
+    rank stop with it. SIGTERM is passed on, the work directory removed, exit 128 + 15; under SIGKILL no handler
+    runs, and the parent-death signal stops torchrun."""
+    command = [sys.executable, "-m", "mlsyslab", "train", "--model-spec", str(tiny), "--nproc", "2", "--global-batch",
+               "4", "--seq", "32", "--steps", "1000000"]
+    run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "TMPDIR": str(tmp_path)}, start_new_session=True)
+    deadline, ranks = time.time() + 240, []
+    while time.time() < deadline and len(ranks) < 2 and run.poll() is None:
+        time.sleep(0.2)
+        ranks = [p for p in _descendants(run.pid)
+                 if b"mlsyslab.train.worker" in _cmdline(p) and b"torch.distributed.run" not in _cmdline(p)]
+    assert len(ranks) == 2, run.stderr.read() if run.poll() is not None else "no ranks started"
+    everything = _descendants(run.pid)
+    os.kill(run.pid, signum)
+    code = run.wait(timeout=120)
+    deadline = time.time() + 60
+    while time.time() < deadline and [p for p in everything if _cmdline(p)]:
+        time.sleep(0.2)
+    assert not [p for p in everything if _cmdline(p)], "torchrun or a rank outlived mlsys train"
+    if signum == signal.SIGTERM:
+        assert code == 128 + signal.SIGTERM and "stopped by SIGTERM" in run.stderr.read()
+        assert not list(tmp_path.glob("mlsys-train-*"))
+
+
+def _cmdline(pid: int) -> bytes:
+    """The process's command line; empty once it has exited (or is a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 @pytest.mark.parametrize("layout", [["--nproc", "2", "--pp", "2", "--strategy", "zero3"],  # CI time: 2 ranks

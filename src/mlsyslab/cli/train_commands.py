@@ -1,7 +1,6 @@
 """`mlsys train`: validate, tokenise the corpus, launch the ranks with torchrun, print predicted vs measured."""
 
 import json as jsonlib
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -9,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from mlsyslab.cli.foreground import run_in_foreground
 from mlsyslab.cli.options import (HardwareSpec, Json, ModelName, ModelSpec, check_output_file, check_positive,
                                   resolve_assumptions, resolve_hardware, resolve_model)
 from mlsyslab.cli.render import console, emit_json, human, seconds, table
@@ -102,10 +102,14 @@ def train_command(
         else:
             launch += [f"--master-addr={master_addr or '127.0.0.1'}", f"--master-port={master_port or 29500}"]
         launch += ["-m", "mlsyslab.train.worker", str(config_path), str(result_path)]
-        finished = subprocess.run(launch, stdout=sys.stderr if json else None)
-        if finished.returncode != 0 or (node_rank == 0 and not result_path.exists()):
-            print(f"error: training failed (torchrun exit code {finished.returncode}; the ranks' errors are above)",
-                  file=sys.stderr)
+        code, stopped_by = run_in_foreground(launch, stdout=sys.stderr if json else None)
+        if stopped_by is not None:
+            print(f"error: stopped by {stopped_by.name}: the ranks were stopped (torchrun exit code {code})"
+                  + (f"; resume from the last checkpoint with --checkpoint-dir {checkpoint_dir} --resume"
+                     if checkpoint_dir else ""), file=sys.stderr)
+            raise typer.Exit(128 + stopped_by)
+        if code != 0 or (node_rank == 0 and not result_path.exists()):
+            print(f"error: training failed (torchrun exit code {code}; the ranks' errors are above)", file=sys.stderr)
             raise typer.Exit(1)
         if node_rank > 0:  # global rank 0, on node 0, measured the run and writes the report there
             print(f"node {node_rank} of {nnodes}: its ranks finished; node 0 prints the report", file=sys.stderr)
