@@ -3,7 +3,10 @@ sizes that do not divide evenly, and several dtypes; the log counts exactly the 
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,3 +152,39 @@ def test_a_rank_that_dies_without_a_result_fails_the_run_instead_of_hanging():
     with pytest.raises(RuntimeError, match=r"rank 1 of 2 failed:\nthe process exited with code -9 without a result"):
         spawn(_killed, 2)
     assert time.perf_counter() - started < 30
+
+
+SPAWNS_SLEEPERS = """
+import os, sys, time
+from mlsyslab.comm.launch import spawn
+
+def sleeper(rank):
+    open(os.path.join(sys.argv[1], str(os.getpid())), "w").close()
+    time.sleep(600)
+
+if __name__ == "__main__":
+    spawn(sleeper, 2)
+"""
+
+
+def test_a_signal_to_the_parent_stops_its_ranks_first(tmp_path):
+    """`kill` sends SIGTERM to the parent alone (the ranks are forks of a fork server, which outlives it):
+    spawn passes it on, and only once the ranks are gone does the parent end, by the same signal."""
+    script = tmp_path / "parent.py"
+    script.write_text(SPAWNS_SLEEPERS)
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(ranks := [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]) < 2:
+        time.sleep(0.1)
+    assert len(ranks) == 2, parent.stderr.read() if parent.poll() is not None else "the ranks did not start"
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=60) == -signal.SIGTERM
+    alive = [pid for pid in ranks if Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)]
+    assert not alive, f"ranks {alive} outlived their parent"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"  # gone between the two reads

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from mlsyslab.cli.foreground import run_in_foreground
+from mlsyslab.comm.children import run_in_foreground
 from mlsyslab.cli.options import (HardwareSpec, Json, ModelName, ModelSpec, check_output_file, check_positive,
                                   resolve_assumptions, resolve_hardware, resolve_model)
 from mlsyslab.cli.render import console, emit_json, human, seconds, table

@@ -4,13 +4,15 @@ Backend by device: NCCL when the rank drives a CUDA device, gloo otherwise. Ever
 `Rank` (rank, world size, device, default timeout) that is passed explicitly — no globals below
 this file. `spawn(fn, world_size, *args)` runs `fn(rank, *args)` in new processes (forks of a server
 that has imported torch) on a free port and returns each rank's result, re-raising the first failure
-with the rank's traceback (or the exit code of a rank that died without one).
+with the rank's traceback (or the exit code of a rank that died without one). A SIGTERM, SIGINT or SIGHUP
+to the parent meanwhile stops the ranks first, then the parent (`comm.children`): none runs on as an orphan.
 """
 
 import datetime
 import os
 import pickle
 import queue
+import signal
 import socket
 import traceback
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mlsyslab.comm.children import passing_signals_on
 from mlsyslab.comm.heap import keep_freed_memory
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -89,6 +92,19 @@ def spawn(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S, thre
                  for r in range(world_size)]
     for process in processes:
         process.start()
+    with passing_signals_on(lambda signum: [p.terminate() for p in processes if p.is_alive()]) as received:
+        outcomes = _collect(processes, results, world_size, timeout_s)
+    if received:  # the ranks are gone: end as the signal would have ended us
+        signal.raise_signal(received[0])
+    failures = {r: v for r, (ok, v) in outcomes.items() if not ok}
+    if failures:
+        rank = min(failures)
+        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{failures[rank]}")
+    return [outcomes[r][1] for r in range(world_size)]
+
+
+def _collect(processes, results, world_size: int, timeout_s: float) -> dict:
+    """Each rank's (ok, value) until all have one or one fails; the ranks joined (or killed) after."""
     outcomes = {}
     while len(outcomes) < world_size:
         try:
@@ -109,11 +125,7 @@ def spawn(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S, thre
         process.join(timeout=timeout_s if len(outcomes) == world_size else 5)
         if process.is_alive():
             process.kill()
-    failures = {r: v for r, (ok, v) in outcomes.items() if not ok}
-    if failures:
-        rank = min(failures)
-        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{failures[rank]}")
-    return [outcomes[r][1] for r in range(world_size)]
+    return outcomes
 
 
 def _worker(fn, rank, world_size, port, timeout_s, threads, results, args):
