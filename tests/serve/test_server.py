@@ -540,9 +540,35 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(client):
                                          ({"prompt": "hi", "best_of": 2, "stream": True}, "best_of"),
                                          ({"prompt": "hi", "n": 2, "seed": 2**63 - 1}, "seed"),  # choice 1: 2^63
                                          ({"prompt": "hi", "stop_token_ids": [49152]}, "stop_token_ids"),
-                                         ({"prompt": ["hi", "a lone \ud800 surrogate"]}, "prompt")])
+                                         ({"prompt": ["hi", "a lone \ud800 surrogate"]}, "prompt"),
+                                         # each of these once took the engine down, or was a 500 or taken as another
+                                         ({"prompt": "hi", "top_k": 2**63}, "top_k"),
+                                         ({"prompt": "hi", "temperature": 1e300}, "temperature"),
+                                         ({"prompt": "hi", "logit_bias": {"\u00b2": 1}}, "logit_bias"),
+                                         ({"prompt": "hi", "logit_bias": {"01": 1, "1": 2}}, "logit_bias"),
+                                         ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+                                         ({"prompt": "hi", "temperature": True}, "temperature"),
+                                         ({"prompt": [0, -5]}, "prompt token id")])
 def test_a_bad_choice_refuses_the_whole_call(server, body, param):
     refused_leaving_nothing(server, "/v1/completions", {"max_tokens": 2, **body}, param)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": QUESTION, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": QUESTION, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": QUESTION, "n": True}, "n")])
+def test_a_bad_chat_field_is_a_400_naming_it(server, body, param):
+    refused_leaving_nothing(server, "/v1/chat/completions", body, param)
+
+
+def test_a_temperature_under_1e_5_is_greedy(client):
+    """As vLLM's: 1e-300 is 0 in fp32 (it once stopped the engine), and logits / T overflows fp32 below ~1e-38."""
+    def complete(temperature):
+        return client.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is",
+                                         max_tokens=6, temperature=temperature, seed=1).choices[0].text
+    assert complete(1e-300) == complete(1e-40) == complete(0)
 
 
 def test_text_no_tokenizer_can_read_is_a_400(server):
@@ -671,3 +697,37 @@ def test_bench_serve_asks_the_server_for_its_model(server, capsys, monkeypatch):
     assert code == 2 and "--served-name='gpt-4'" in err and "SmolLM2-135M-Instruct" in err
     code, _, err = run(capsys, monkeypatch, "bench", "serve", "--url", "http://127.0.0.1:9/v1", *load)
     assert code == 2 and "--url=" in err and "ConnectError" in err
+
+
+def test_calls_in_flight_when_the_engine_dies_get_a_503_and_the_server_says_it_is_down():
+    """The engine process killed (as the OOM killer would) while a stream and a non-streamed call run: the stream
+    ends with an error event and [DONE], the call gets a 503 OpenAI-shaped error (once a plain-text 500, the stream
+    cut off), and from then on /health is a 503 and /metrics says mlsys_engine_up 0."""
+    import threading
+
+    import torch
+
+    from mlsyslab.nn.llama import Llama, LlamaConfig
+
+    # vocab of the tiny tests, wide enough that 400 fp64 steps take a second or more
+    config = LlamaConfig(vocab=96, hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64, ffn_hidden=1024, max_seq=512)
+    model = Llama(config).to(torch.float64).initialize(0.5, torch.Generator().manual_seed(0)).eval()
+    app, engine = build_server(model, loaders("default")[1], "tiny", EngineConfig(kv_cache_bytes=32 << 20), threads=1)
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    answers = []
+    with ServerThread(app) as url:
+        waiting = threading.Thread(target=lambda: answers.append(httpx.post(url + "/v1/completions", json=body,
+                                                                            timeout=60)))
+        waiting.start()
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+            events = (line[5:].strip() for line in response.iter_lines() if line.startswith("data:"))
+            assert "choices" in json.loads(next(events))
+            while engine.stats.running < 2:
+                time.sleep(0.01)
+            engine.process.kill()
+            rest = list(events)
+        waiting.join(60)
+        assert "error" in json.loads(rest[-2]) and rest[-1] == "[DONE]", rest[-3:]
+        assert answers[0].status_code == 503 and answers[0].json()["error"]["type"] == "server_error", answers[0].text
+        assert httpx.get(url + "/health").status_code == 503 and gauge(url, "mlsys_engine_up") == 0
+    engine.stop()

@@ -168,8 +168,9 @@ class Engine:
             raise InvalidValue("prompt", "", "at least one token")
         if len(prompt_ids) >= max_seq:
             raise InvalidValue("prompt tokens", len(prompt_ids), f"< the context length {max_seq}")
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise InvalidValue("prompt token id", max(prompt_ids), f"0..{vocab - 1}")
+        outside = next((token for token in prompt_ids if not 0 <= token < vocab), None)
+        if outside is not None:
+            raise InvalidValue("prompt token id", outside, f"0..{vocab - 1}")
         if params.logit_bias and max(token for token, _ in params.logit_bias) >= vocab:
             raise InvalidValue("logit_bias token id", max(token for token, _ in params.logit_bias), f"0..{vocab - 1}")
         if params.stop_token_ids and max(params.stop_token_ids) >= vocab:

@@ -22,7 +22,7 @@ class EngineMetrics:
 
     def __init__(self):
         self.registry = registry = CollectorRegistry()
-        self.stats = EngineStats
+        self.stats, self.up = EngineStats, lambda: True
         gauges = (("mlsys_requests_waiting", "requests in the queue", "waiting"),
                   ("mlsys_requests_running", "requests holding KV blocks", "running"),
                   ("mlsys_kv_blocks_used", "KV blocks in use (requests and prefix cache)", "kv_blocks_used"),
@@ -35,6 +35,8 @@ class EngineMetrics:
                   ("mlsys_spec_accepted_tokens", "speculative draft tokens kept so far", "accepted_draft_tokens"))
         for name, help_text, field in gauges:
             Gauge(name, help_text, registry=registry).set_function(lambda field=field: getattr(self.stats(), field))
+        Gauge("mlsys_engine_up", "1 while the engine runs; 0 once it has failed (the gauges above then keep its last "
+              "numbers, and every request gets a 503)", registry=registry).set_function(lambda: float(self.up()))
         self.ttft = Histogram("mlsys_time_to_first_token_seconds", "arrival to first token", buckets=LATENCY_BUCKETS_S, registry=registry)
         self.tpot = Histogram("mlsys_time_per_output_token_seconds", "mean time between output tokens of a request",
                               buckets=LATENCY_BUCKETS_S, registry=registry)
@@ -42,9 +44,9 @@ class EngineMetrics:
         self.generation_tokens = Counter("mlsys_generation_tokens", "tokens generated", registry=registry)
         self.requests = Counter("mlsys_requests_finished", "finished requests by reason", ["finish_reason"], registry=registry)
 
-    def watch(self, stats) -> None:
-        """Read the gauges from `stats()` (the engine's latest `EngineStats`) when scraped."""
-        self.stats = stats
+    def watch(self, stats, up) -> None:
+        """Read the gauges from `stats()` (the engine's latest `EngineStats`) and `up()` when scraped."""
+        self.stats, self.up = stats, up
 
     def observe(self, output: RequestOutput) -> None:
         """Record a finished request (called from the engine process's reader thread)."""

@@ -48,10 +48,11 @@ from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.tokenizer import Tokenizer
 from mlsyslab.serve.grammar import KINDS, StructuredOutput
 from mlsyslab.serve.output import RequestOutput
-from mlsyslab.serve.sampling import Sampled, SamplingParams
+from mlsyslab.serve.sampling import MAX_TOP_LOGPROBS, Sampled, SamplingParams
 from mlsyslab.serve.tools import ToolCalls, resolve
 
 MAX_CHOICES = 128  # OpenAI's bound on n
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's chat roles
 Choice = tuple[list[int], SamplingParams]  # one engine request: prompt ids, sampling params
 
 
@@ -60,7 +61,7 @@ class StreamOptions(BaseModel):
 
 
 class CommonRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # strict: true is not 1, "3" not 3, 2.5 not 2
 
     model: str | None = None
     max_tokens: int | None = None
@@ -154,12 +155,13 @@ class CommonRequest(BaseModel):
 
     def bias(self) -> tuple[tuple[int, float], ...]:
         """logit_bias's {"token id": bias} as (id, bias) pairs."""
-        pairs = []
+        pairs = {}
         for key, value in (self.logit_bias or {}).items():
-            if not key.isdigit():
-                raise InvalidValue("logit_bias", key, "token ids as strings of digits, each with a bias in [-100, 100]")
-            pairs.append((int(key), value))
-        return tuple(pairs)
+            if not (key.isascii() and key.isdigit()) or int(key) in pairs:
+                raise InvalidValue("logit_bias", key, "token ids as strings of the digits 0-9, each once, each with a "
+                                   "bias in [-100, 100]")
+            pairs[int(key)] = value
+        return tuple(pairs.items())
 
 
 class CompletionRequest(CommonRequest):
@@ -233,11 +235,16 @@ class ChatRequest(CommonRequest):
         prompt_ids = self.prompt_ids(tokenizer)
         if len(prompt_ids) >= max_seq:
             raise InvalidValue("messages", f"{len(prompt_ids)} tokens", f"< the context length {max_seq}")
+        for name in ("max_completion_tokens", "max_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise InvalidValue(name, getattr(self, name), "null or an integer >= 1")
         wanted = next((limit for limit in (self.max_completion_tokens, self.max_tokens) if limit is not None),
                       min(max_seq, capacity) - len(prompt_ids))
         top = self.top_logprobs or 0
         if top and not self.logprobs:
             raise InvalidValue("top_logprobs", top, "null unless logprobs is true")
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise InvalidValue("top_logprobs", top, f"null or an integer in 0..{MAX_TOP_LOGPROBS}")
         return self.choices([prompt_ids], wanted, top if self.logprobs else None)
 
     def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
@@ -254,7 +261,7 @@ class TokenizeRequest(BaseModel):
     """POST /tokenize: a completions `prompt` (a string) or a chat's `messages` (with its tools and template
     variables), tokenized as the serving endpoints tokenize them."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     prompt: str | None = None
@@ -283,7 +290,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     """POST /detokenize: the text of `tokens`, special tokens included (as transformers' `decode` gives it)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     tokens: list[int]
@@ -299,6 +306,8 @@ class DetokenizeRequest(BaseModel):
 def chat_message(message: dict, index: int) -> dict:
     """A message as the chat template sees it: role and text content, and an assistant's earlier `tool_calls` or a
     tool result's `tool_call_id` as sent (an assistant message that only called tools has content null: "")."""
+    if message.get("role") not in ROLES:
+        raise InvalidValue(f"messages[{index}].role", message.get("role"), f"one of {', '.join(ROLES)}")
     calls = message.get("tool_calls")
     content = "" if message.get("content") is None and calls else text_content(message.get("content"), index)
     extra = {key: message[key] for key in ("tool_calls", "tool_call_id", "name") if message.get(key) is not None}
@@ -309,9 +318,11 @@ def text_content(content, index: int) -> str:
     """A message's content: a string, or OpenAI's list of text parts."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(p.get("text", "") for p in content)
-    raise InvalidValue(f"messages[{index}].content", str(content)[:40], "a string or a list of text parts")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                         for p in content):
+        return "".join(p["text"] for p in content)
+    raise InvalidValue(f"messages[{index}].content", str(content)[:40],
+                       "a string or a list of text parts ({'type': 'text', 'text': a string})")
 
 
 def as_list(stop) -> list[str]:

@@ -5,7 +5,8 @@ penalties — repetition (Keskar et al. 2019, CTRL: divide a positive logit, mul
 every token in the prompt or output), then presence and frequency (OpenAI: subtract `presence` once and
 `frequency · count` for tokens already generated); the request's stop tokens masked while it has fewer than
 `min_tokens` (vLLM's, HF's MinNewTokensLengthLogitsProcessor); the tokens a structured output's grammar forbids
-masked (`serve.grammar`); then temperature (0 means greedy: argmax);
+masked (`serve.grammar`); then temperature (0 means greedy: argmax; so does any under MIN_TEMPERATURE = 1e-5,
+vLLM's _SAMPLING_EPS: logits / T would overflow fp32 below ~1e-38, and long before that softmax is argmax's one-hot);
 then the filters on the probabilities — top-k, top-p (nucleus, Holtzman et al. 2020: the smallest
 set whose mass reaches p), min-p (Nguyen et al. 2024: drop tokens below min_p · the top
 probability); then one draw by inverse CDF.
@@ -30,6 +31,8 @@ from mlsyslab.nn import cpu_kernels
 from mlsyslab.serve.grammar import StructuredOutput, constrain
 
 MAX_TOP_LOGPROBS = 20
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-5, 1e6  # under the least: greedy; the most keeps logits / T finite in fp32
+MAX_TOP_K = 2**31 - 1  # any k from the vocabulary's size up keeps every token
 
 
 @dataclass(frozen=True)
@@ -59,32 +62,35 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         object.__setattr__(self, "logit_bias", tuple((token, bias) for token, bias in dict(self.logit_bias).items()))
+        if finite(self.temperature) and 0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
         check = [
-            ("max_tokens", isinstance(self.max_tokens, int) and (self.max_tokens >= 1 or self.max_tokens == 0
+            ("max_tokens", integer(self.max_tokens) and (self.max_tokens >= 1 or self.max_tokens == 0
                                                                  and self.prompt_logprobs is not None),
              "an integer >= 1 (0 only with prompt_logprobs: score the prompt, generate nothing)"),
-            ("min_tokens", isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            ("min_tokens", integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
              f"an integer in 0..max_tokens={self.max_tokens}"),
-            ("temperature", finite(self.temperature) and self.temperature >= 0, ">= 0 (0: greedy)"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= -1, "an integer >= 0 (0 or -1: off)"),
+            ("temperature", finite(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
+             f"in [0, {MAX_TEMPERATURE:g}] (0, or under {MIN_TEMPERATURE:g}: greedy)"),
+            ("top_k", integer(self.top_k) and -1 <= self.top_k <= MAX_TOP_K, "an integer in -1..2^31-1 (0 or -1: off)"),
             ("top_p", finite(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
             ("min_p", finite(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
             ("repetition_penalty", finite(self.repetition_penalty) and self.repetition_penalty > 0, "> 0 (1: off)"),
             ("presence_penalty", finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
             ("frequency_penalty", finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
-            ("logit_bias", all(isinstance(t, int) and t >= 0 and finite(b) and -100 <= b <= 100 for t, b in self.logit_bias),
+            ("logit_bias", all(integer(t) and t >= 0 and finite(b) and -100 <= b <= 100 for t, b in self.logit_bias),
              "token ids >= 0, each with a bias in [-100, 100]"),
-            ("seed", self.seed is None or isinstance(self.seed, int) and -2**63 <= self.seed < 2**63,
+            ("seed", self.seed is None or integer(self.seed) and -2**63 <= self.seed < 2**63,
              "null or an integer in -2^63..2^63-1 (n choices take seed..seed+n-1)"),
             ("stop", all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16, "up to 16 non-empty strings"),
-            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "token ids >= 0"),
+            ("stop_token_ids", all(integer(t) and t >= 0 for t in self.stop_token_ids), "token ids >= 0"),
             ("structured_output", self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
              "null or a StructuredOutput"),
             ("ignore_eos", not (self.ignore_eos and self.structured_output), "false with a structured output (its "
              "grammar says where the output ends)"),
             ("min_tokens", not (self.min_tokens and self.structured_output), "0 with a structured output (its grammar "
              "says where the output ends)"),
-        ] + [(name, getattr(self, name) is None or (isinstance(getattr(self, name), int)
+        ] + [(name, getattr(self, name) is None or (integer(getattr(self, name))
                                                     and 0 <= getattr(self, name) <= MAX_TOP_LOGPROBS),
               f"null or an integer in 0..{MAX_TOP_LOGPROBS}") for name in ("logprobs", "prompt_logprobs")]
         for name, ok, valid in check:
@@ -98,6 +104,11 @@ class SamplingParams:
 
 def finite(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def integer(value) -> bool:
+    """An int that is not a bool (True is an int to Python, not a count to a user)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -282,7 +293,7 @@ CANDIDATES = 1024
 def kept(sorted_probs: torch.Tensor, params: list[SamplingParams], vocab: int) -> torch.Tensor:
     """Which of the (decreasing) probabilities top-k, top-p and min-p keep: always a prefix, never empty."""
     rank = torch.arange(sorted_probs.shape[-1])[None, :]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])[:, None]
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params])[:, None]
     top_p = torch.tensor([p.top_p for p in params])[:, None]
     min_p = torch.tensor([p.min_p for p in params])[:, None]
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs

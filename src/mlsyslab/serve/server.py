@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlsyslab.errors import InvalidValue, MlsysError
 from mlsyslab.nn.tokenizer import Tokenizer
@@ -73,7 +74,7 @@ def build_server(model, tokenizer, model_name: str, config, threads: int | None 
     tokenizer = tokenizer() if callable(tokenizer) else tokenizer
     tokenizer.prepare_chat()
     engine.wait_started()
-    metrics.watch(lambda: engine.stats)
+    metrics.watch(lambda: engine.stats, lambda: engine.healthy)
     return create_app(engine, tokenizer, model_name, metrics, tool_parser, api_key, reasoning_parser), engine
 
 
@@ -103,8 +104,16 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
         if first.get("type") == "json_invalid":
             reason = first.get("ctx", {}).get("error", first["msg"])
             return error_response(400, f"the request body is not valid JSON ({reason})", "invalid_request_error")
-        param = ".".join(str(part) for part in first["loc"] if part != "body")
-        return error_response(400, f"{param or 'body'}: {first['msg']}", "invalid_request_error", param or None)
+        # OpenAI's `param` is the request's field; pydantic's loc goes on into union branches ("prompt.str")
+        param = next((str(part) for part in first["loc"] if part != "body"), None)
+        value = repr(first.get("input"))
+        value = value if len(value) <= 60 else value[:57] + "..."
+        return error_response(400, f"{param or 'body'}={value} is invalid ({first['msg']})", "invalid_request_error",
+                              param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, error: StarletteHTTPException):  # an unknown route (404), a wrong method (405)
+        return error_response(error.status_code, str(error.detail), "invalid_request_error")
 
     @app.get("/health")
     async def health():
@@ -155,13 +164,18 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
         if first is not None:
             yield sse(envelope(kind, call.request_id, model_name, call.created,
                                [{"index": index, **first} for index in range(len(call.prompts))]))
-        async for item in call.stream:
-            index = call.index(item.request_id)
-            if isinstance(item, RequestOutput):
-                call.outputs[index] = item
-            else:
-                for choice in render(item, index):
-                    yield sse(envelope(kind, call.request_id, model_name, call.created, [{"index": index, **choice}]))
+        try:
+            async for item in call.stream:
+                index = call.index(item.request_id)
+                if isinstance(item, RequestOutput):
+                    call.outputs[index] = item
+                else:
+                    for choice in render(item, index):
+                        yield sse(envelope(kind, call.request_id, model_name, call.created, [{"index": index, **choice}]))
+        except RuntimeError as error:  # the engine failed mid-stream: say so, as vLLM does, and end the stream
+            yield sse({"error": {"message": str(error), "type": "server_error", "param": None, "code": 503}})
+            yield "data: [DONE]\n\n"
+            return
         if body.stream_options and body.stream_options.include_usage:
             yield sse({**envelope(kind, call.request_id, model_name, call.created, []), "usage": call.usage()})
         yield "data: [DONE]\n\n"
@@ -177,8 +191,11 @@ def create_app(engine: EngineProcess, tokenizer: Tokenizer, model_name: str, met
             return StreamingResponse(events(call, body, kind + ".chunk" if first else kind,
                                             lambda delta, index: render_delta(delta, index, call), first),
                                      media_type="text/event-stream")
-        if not await collect(call, http):
-            return Response(status_code=499)  # the client left; its requests were aborted
+        try:
+            if not await collect(call, http):
+                return Response(status_code=499)  # the client left; its requests were aborted
+        except RuntimeError as error:  # the engine failed while the call waited
+            return error_response(503, str(error), "server_error")
         outputs = [output for _, output in sorted(call.outputs.items())]
         if body.ranked:
             outputs = best_choices(outputs, body.candidates, body.n)
