@@ -27,6 +27,40 @@ def test_generate_json(capsys, monkeypatch):
 
 
 
+def test_generate_holds_a_prompt_as_long_as_the_models_context(capsys, monkeypatch):
+    """Its KV cache covers the model's whole context for its one sequence (a fixed 0.2 GB refused 5,000 tokens of
+    SmolLM2's 8,192, naming a budget it had no option for)."""
+    from mlsyslab.serve import engine
+
+    configs = []
+    original = engine.LLM.__init__
+
+    def recording(self, *args, config, **kwargs):
+        configs.append(config)
+        original(self, *args, config=config, **kwargs)
+
+    monkeypatch.setattr(engine.LLM, "__init__", recording)
+    code, _, err = run(capsys, monkeypatch, "generate", "hi", "--max-tokens", "1", "--dtype", "bf16")
+    assert code == 0, err
+    per_token = 2 * 30 * 3 * 64 * 2  # K and V, 30 layers, 3 KV heads of 64, bf16
+    assert configs[0].kv_cache_bytes >= per_token * 8192
+
+
+def test_bench_serve_exits_1_when_any_request_failed_and_prints_n_a_for_what_it_could_not_measure(capsys, monkeypatch):
+    """One request of two failing (a prompt over the server's context) is exit 1, as all failing is; TTFT and TPOT
+    that nothing measured print as n/a, not "nan ms"."""
+    from mlsyslab.cli import serve_commands
+    from mlsyslab.serve import loadgen
+
+    nan = float("nan")
+    report = loadgen.BenchReport("http://x/v1", {}, 1, 1, 1.0, 10.0, 1.0, 0.05, 0.05, nan, nan, 0.1, 0.1, 0.0, 2, True,
+                                 ["HTTP 400: prompt tokens=10755 is invalid"])
+    monkeypatch.setattr(serve_commands, "model_at", lambda url, name: "m")
+    monkeypatch.setattr(loadgen, "run_benchmark", lambda *args, **kwargs: report)
+    code, out, err = run(capsys, monkeypatch, "bench", "serve", "--url", "http://x/v1", "--requests", "2")
+    assert code == 1 and "(1 failed)" in out and "TPOT p50 n/a" in out and "nan" not in out, (out, err)
+
+
 def test_generate_prints_the_reply_then_its_speed(capsys, monkeypatch):
     code, out, err = run(capsys, monkeypatch, "generate", "What is the capital of France?", "--threads", "2")
     assert code == 0 and out == "The capital of France is Paris.\n" and "finish: stop" in err, (out, err)
@@ -68,7 +102,16 @@ def test_generate_under_a_json_schema_or_a_regex(capsys, monkeypatch, tmp_path):
                                          (["calibrate", "--nproc", "1000"], "--nproc"),  # would fork 1,000 ranks
                                          (["generate", "hi", "--top-k", "5"], "--top-k"),  # greedy: was ignored
                                          (["schedule", "1f1b", "--png", "/tmp"], "--png"),  # IsADirectoryError
-                                         (["schedule", "1f1b", "--trace", "/proc/x.json"], "--trace")])
+                                         (["schedule", "1f1b", "--trace", "/proc/x.json"], "--trace"),
+                                         # a traceback, a hang or a silent default before (a sweep, 2026-11-27)
+                                         (["generate", "hi", "--cache-dir", "/proc/nope"], "--cache-dir"),
+                                         (["serve", "--kv-cache-gb", "100000"], "--kv-cache-gb"),  # after the load
+                                         (["serve", "--api-key", ""], "--api-key"),  # served with no key
+                                         (["generate", "hi", "--top-k", str(2**63), "--temperature", "1"], "top_k"),
+                                         (["bench", "serve", "--requests", str(10**20)], "requests"),  # hung
+                                         (["bench", "serve", "--rate", "1e-300"], "rate"),  # hung
+                                         (["bench", "serve", "--served-name", "x"], "--served-name"),  # ignored
+                                         (["primer", "bandwidth", "--nproc", "1"], "--nproc")])  # printed 0 B/s
 def test_bad_options_exit_2_with_one_line(capsys, monkeypatch, args, field):
     code, out, err = run(capsys, monkeypatch, *args)
     assert code == 2 and out == ""

@@ -606,10 +606,12 @@ def test_best_choices_keeps_each_prompts_n_best_best_first():
 
 
 def refused_leaving_nothing(server, route: str, body: dict, param: str) -> None:
-    """The call is a 400 naming `param`, and the engine holds nothing of it: no request, no block but the cache's."""
+    """The call is a 400 naming `param` (and none of xgrammar's log prefix: "[08:09:42] /project/x.cc:4944: "), and
+    the engine holds nothing of it: no request, no block but the cache's."""
     url, engine, _ = server
     response = httpx.post(url + route, content=json.dumps(body), headers={"content-type": "application/json"})  # ASCII
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.json()
+    assert ".cc:" not in response.json()["error"]["message"], response.json()
     stats = engine.check()
     assert stats.idle and stats.kv_blocks_used == stats.prefix_cache_blocks
 

@@ -1,6 +1,7 @@
 """Options shared by commands, and resolving them into specs (model, hardware, assumptions)."""
 
 import math
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -104,6 +105,19 @@ def check_unused(why: str, *options: tuple) -> None:
     for flag, value, default in options:
         if value != default:
             raise InvalidValue(flag, value, why)
+
+
+def check_directory(flag: str, path: Path | None) -> None:
+    """`path` (if given) must be a directory this process can create and write, before any work."""
+    if path is None:
+        return
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        writable = os.access(path, os.W_OK)
+    except OSError as error:
+        raise InvalidValue(flag, str(path), f"a directory this process can create and write ({error.strerror})") from None
+    if not writable:
+        raise InvalidValue(flag, str(path), "a directory this process can write")
 
 
 def check_output_file(flag: str, path: Path, suffixes: tuple[str, ...]) -> None:

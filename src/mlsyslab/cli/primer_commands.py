@@ -20,8 +20,8 @@ def primer_command(
     if name not in PROGRAMS:
         raise InvalidValue("name", name, ", ".join(PROGRAMS))
     check_positive(64, nproc=nproc)  # processes on this machine
-    if name == "deadlock" and nproc < 2:
-        raise InvalidValue("--nproc", nproc, ">= 2 for the deadlock")
+    if name in ("deadlock", "bandwidth") and nproc < 2:  # one rank has no one to deadlock with or send to
+        raise InvalidValue("--nproc", nproc, f">= 2 for the {name}")
     import torch
 
     from mlsyslab.comm import primer

@@ -15,8 +15,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from mlsyslab.cli.options import (Json, check_greater_than_zero, check_positive, check_range, check_unused,
-                                  resolve_assumptions, resolve_hardware)
+from mlsyslab.cli.options import (Json, check_directory, check_greater_than_zero, check_positive, check_range,
+                                  check_unused, resolve_assumptions, resolve_hardware)
 from mlsyslab.cli.render import emit_json
 from mlsyslab.errors import InvalidValue
 
@@ -77,6 +77,8 @@ def serve_command(
     start = time.perf_counter()
     if served_model_name is not None and not served_model_name.strip():
         raise InvalidValue("--served-model-name", served_model_name, "a non-empty name")
+    if api_key is not None and not api_key.strip():  # an unset $KEY would otherwise serve without one
+        raise InvalidValue("--api-key", api_key, "a non-empty key (omit it to serve without one)")
     load_model, load_tokenizer, name = loaders(model, dtype, threads, cache_dir)
     name = served_model_name or name
     listening = bound_socket(host, port)
@@ -137,7 +139,11 @@ def generate_command(
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             structured_output=structured_output(json_schema, regex))
     loaded, tokenizer, name = load(model, dtype, threads, cache_dir)
-    llm = LLM(loaded, tokenizer, config=engine_config(0.2, 16, 512, 1, 1, False, speculative_tokens=speculative_tokens))
+    # one sequence's K/V over the model's whole context (and a block): any prompt the model takes fits
+    config = loaded.config
+    context_bytes = config.kv_elements_per_token * (config.max_seq + 16) * loaded.embed_tokens.weight.element_size()
+    llm = LLM(loaded, tokenizer, config=engine_config(context_bytes / 1e9, 16, 512, 1, 1, False,
+                                                      speculative_tokens=speculative_tokens))
     start = time.perf_counter()
     prompt_ids = llm.encode(prompt) if raw else tokenizer.chat_ids([{"role": "user", "content": prompt}])
     for output in llm.stream(prompt_ids, params):  # the text as it comes, then the finished request
@@ -202,6 +208,9 @@ def engine_config(kv_cache_gb, block_size, max_batched_tokens, max_running, max_
     check_positive(block_size=block_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
                    max_waiting=max_waiting, decode_steps=decode_steps)
     check_greater_than_zero(kv_cache_gb=kv_cache_gb)
+    memory = machine_memory_bytes()
+    if memory and kv_cache_gb * 1e9 > memory:
+        raise InvalidValue("--kv-cache-gb", kv_cache_gb, f"at most this machine's memory, {memory / 1e9:.1f} GB")
     if speculative_tokens < 0:
         raise InvalidValue("--speculative-tokens", speculative_tokens, ">= 0 (0: off)")
     return EngineConfig(kv_cache_bytes=int(kv_cache_gb * 1e9), block_size=block_size,
@@ -215,6 +224,7 @@ def loaders(model: str, dtype: str, threads: int | None, cache_dir: Path | None)
     if dtype not in ("fp32", "bf16"):
         raise InvalidValue("--dtype", dtype, "fp32, bf16")
     check_positive(threads=threads)
+    check_directory("--cache-dir", cache_dir)
     import torch
 
     from mlsyslab.nn import pretrained
@@ -222,6 +232,16 @@ def loaders(model: str, dtype: str, threads: int | None, cache_dir: Path | None)
     if threads is not None:
         torch.set_num_threads(threads)
     return pretrained.loaders(model, dtype, cache_dir)
+
+
+def machine_memory_bytes() -> int | None:
+    """Physical memory (None where the OS does not say)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def load(model: str, dtype: str, threads: int | None, cache_dir: Path | None):
@@ -260,6 +280,8 @@ def bench_serve_command(
         raise InvalidValue("--no-stream", True, "only with --url (our server streams)")
     if url is not None and hardware is not None:
         raise InvalidValue("--hardware", hardware, "only without --url (the prediction is of this engine)")
+    if url is None and served_name is not None:
+        raise InvalidValue("--served-name", served_name, "only with --url (it picks the model the server at the URL serves)")
     if url is not None:
         check_unused("only without --url (it configures the engine we start; --served-name picks the model at the URL)",
                      ("--model", model, "default"), ("--dtype", dtype, "fp32"), ("--threads", threads, None),
@@ -297,8 +319,8 @@ def bench_serve_command(
         emit_json(reports)
     else:
         print_reports(reports)
-    if any(report.get("completed") == 0 for report in reports.values()):
-        raise typer.Exit(1)  # every request of a run failed: the errors are in the report
+    if any(report.get("failed") for report in reports.values()):
+        raise typer.Exit(1)  # requests failed: the errors are in the report
 
 
 def model_at(url: str, served_name: str | None) -> str:
@@ -340,8 +362,8 @@ def print_reports(reports: dict) -> None:
             continue
         typer.echo(f"{label}: {report['completed']} requests ({report['failed']} failed) in {report['duration_s']:.1f} s — "
                    f"{report['output_tokens_per_s']:.1f} output tok/s, {report['requests_per_s']:.2f} req/s")
-        typer.echo(f"  TTFT p50 {1000 * report['ttft_p50_s']:.0f} ms, p99 {1000 * report['ttft_p99_s']:.0f} ms; "
-                   f"TPOT p50 {1000 * report['tpot_p50_s']:.1f} ms, p99 {1000 * report['tpot_p99_s']:.1f} ms")
+        typer.echo(f"  TTFT p50 {ms(report['ttft_p50_s'], 0)}, p99 {ms(report['ttft_p99_s'], 0)}; "
+                   f"TPOT p50 {ms(report['tpot_p50_s'], 1)}, p99 {ms(report['tpot_p99_s'], 1)}")
         if "predicted_tpot_s" in report:
             typer.echo(f"  TPOT predicted {1000 * report['predicted_tpot_s']:.1f} ms (decode step at {report['workload']['concurrency']} "
                        f"in flight), measured p50 / predicted = {report['tpot_p50_s'] / report['predicted_tpot_s']:.2f}")
@@ -354,3 +376,10 @@ def print_reports(reports: dict) -> None:
                        "before the run; these numbers are not trustworthy")
         for error in report["errors"]:
             typer.echo(f"  error: {error}", err=True)
+
+
+def ms(seconds: float | None, digits: int) -> str:
+    """Milliseconds, or "n/a" where nothing was measured (no request finished; TPOT of one-token outputs)."""
+    import math
+
+    return "n/a" if seconds is None or math.isnan(seconds) else f"{1000 * seconds:.{digits}f} ms"

@@ -32,6 +32,7 @@ own logits processor).
 from __future__ import annotations
 
 import json
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -101,6 +102,7 @@ class Grammars:
                 compiled = compiler.compile_grammar(structured.spec)
         except RuntimeError as error:  # xgrammar's parse errors: the last line says what and where
             reason = str(error).strip().splitlines()[-1]
+            reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", reason)  # its log prefix: "[08:09:42] /project/x.cc:4944: "
             raise InvalidValue(f"structured_output.{structured.kind}", structured.spec[:80],
                                f"a valid {structured.kind} ({reason[:200]})") from None
         self.compiled[structured] = compiled

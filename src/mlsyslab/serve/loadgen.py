@@ -27,6 +27,10 @@ import numpy as np
 from mlsyslab.errors import InvalidValue
 
 
+MAX_REQUESTS = 1_000_000  # the workload is drawn up front: beyond this, minutes before the first request
+MIN_RATE = 1e-3  # arrivals per second: one every ~17 minutes
+
+
 @dataclass(frozen=True)
 class Workload:
     requests: int = 64
@@ -42,8 +46,11 @@ class Workload:
     seed: int = 0
 
     def __post_init__(self):
-        for name, ok, valid in (("requests", self.requests >= 1, ">= 1"), ("concurrency", self.concurrency >= 1, ">= 1"),
-                                ("rate", self.rate >= 0, ">= 0"), ("prompt_tokens", self.prompt_tokens >= 1, ">= 1"),
+        for name, ok, valid in (("requests", 1 <= self.requests <= MAX_REQUESTS, f"in 1..{MAX_REQUESTS:,}"),
+                                ("concurrency", self.concurrency >= 1, ">= 1"),
+                                ("rate", self.rate == 0 or self.rate >= MIN_RATE, f"0 (closed loop) or >= {MIN_RATE} "
+                                 "requests per second"),
+                                ("prompt_tokens", self.prompt_tokens >= 1, ">= 1"),
                                 ("output_tokens", self.output_tokens >= 1, ">= 1"),
                                 ("prompt_spread", 0 <= self.prompt_spread < 1, "in [0, 1)"),
                                 ("output_spread", 0 <= self.output_spread < 1, "in [0, 1)"),
