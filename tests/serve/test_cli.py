@@ -55,7 +55,7 @@ def test_bench_serve_exits_1_when_any_request_failed_and_prints_n_a_for_what_it_
     nan = float("nan")
     report = loadgen.BenchReport("http://x/v1", {}, 1, 1, 1.0, 10.0, 1.0, 0.05, 0.05, nan, nan, 0.1, 0.1, 0.0, 2, True,
                                  ["HTTP 400: prompt tokens=10755 is invalid"])
-    monkeypatch.setattr(serve_commands, "model_at", lambda url, name: "m")
+    monkeypatch.setattr(serve_commands, "model_at", lambda url, name: ("m", None))
     monkeypatch.setattr(loadgen, "run_benchmark", lambda *args, **kwargs: report)
     code, out, err = run(capsys, monkeypatch, "bench", "serve", "--url", "http://x/v1", "--requests", "2")
     assert code == 1 and "(1 failed)" in out and "TPOT p50 n/a" in out and "nan" not in out, (out, err)

@@ -45,7 +45,7 @@ def test_bench_serve_fails_when_every_request_failed(capsys, monkeypatch):
                                    latency_p99_s=float("nan"), busy_cores_before=0.0, cores=2, trustworthy=True,
                                    errors=["HTTP 500: engine is not running"])
 
-    monkeypatch.setattr(loadgen, "served_models", lambda url: ["m"])
+    monkeypatch.setattr(loadgen, "served_models", lambda url: {"m": None})
     monkeypatch.setattr(loadgen, "run_benchmark", refused)
     code, out, err = run(capsys, monkeypatch, "bench", "serve", "--url", "http://127.0.0.1:9/v1", "--requests", "2")
     assert code == 1 and "0 requests (2 failed)" in out and "HTTP 500" in err

@@ -685,8 +685,8 @@ def test_engine_process_exits_quietly_when_its_parent_goes():
 
 
 def test_bench_serve_asks_the_server_for_its_model(server, capsys, monkeypatch):
-    """`mlsys bench serve --url`: the model name comes from GET /models; a name the server does not list, or a URL
-    where no server answers, is refused before any load is sent (exit 2)."""
+    """`mlsys bench serve --url`: the model name comes from GET /models; a name the server does not list, a URL
+    where no server answers, or requests longer than the model's context are refused before any load is sent (exit 2)."""
     from tests.cli.test_cli import run
 
     url, engine, _ = server
@@ -699,6 +699,12 @@ def test_bench_serve_asks_the_server_for_its_model(server, capsys, monkeypatch):
     assert code == 2 and "--served-name='gpt-4'" in err and "SmolLM2-135M-Instruct" in err
     code, _, err = run(capsys, monkeypatch, "bench", "serve", "--url", "http://127.0.0.1:9/v1", *load)
     assert code == 2 and "--url=" in err and "ConnectError" in err
+    # a workload whose longest request (6,000 + 3,000 tokens at spread 0.5) would not fit the server's 8,192: before
+    # any load (it once ran, half its requests failing with a 400, and exited 0)
+    code, _, err = run(capsys, monkeypatch, "bench", "serve", "--url", url + "/v1", "--requests", "2",
+                       "--prompt-tokens", "4000", "--prompt-spread", "0.5", "--output-tokens", "2000", "--output-spread",
+                       "0.5")
+    assert code == 2 and "--prompt-tokens=4000" in err and "9000" in err and "8192" in err, err
 
 
 def test_calls_in_flight_when_the_engine_dies_get_a_503_and_the_server_says_it_is_down():

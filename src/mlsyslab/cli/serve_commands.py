@@ -295,9 +295,13 @@ def bench_serve_command(
     if url is not None:
         if prefix_ablation:
             raise InvalidValue("--prefix-ablation", True, "only without --url (it restarts our own server)")
-        reports = {"server": run_benchmark(url, model_at(url, served_name), workload, stream=stream).to_dict()}
+        served, context = model_at(url, served_name)
+        if context is not None:
+            workload.check_fits(context, "the server's")
+        reports = {"server": run_benchmark(url, served, workload, stream=stream).to_dict()}
     else:
         loaded, tokenizer, name = load(model, dtype, threads, cache_dir)
+        workload.check_fits(loaded.config.max_seq, "the model's")
         reports = {}
         for cache_on in ([True, False] if prefix_ablation else [True]):
             config = engine_config(kv_cache_gb, 16, max_batched_tokens, 64, max(256, requests), cache_on)
@@ -323,19 +327,19 @@ def bench_serve_command(
         raise typer.Exit(1)  # requests failed: the errors are in the report
 
 
-def model_at(url: str, served_name: str | None) -> str:
-    """The model name to send to the server at `url`: --served-name, checked against the server's list, or the
-    first model it lists."""
+def model_at(url: str, served_name: str | None) -> tuple[str, int | None]:
+    """The model name to send to the server at `url` — --served-name, checked against the server's list, or the
+    first model it lists — and its context length if the server gives it."""
     from mlsyslab.serve.loadgen import served_models
 
     models = served_models(url)
     if served_name is None:
         if not models:
             raise InvalidValue("--url", url, "a server that lists a model under GET /models")
-        return models[0]
+        served_name = next(iter(models))
     if served_name not in models:
         raise InvalidValue("--served-name", served_name, f"a model the server lists: {', '.join(models) or 'none'}")
-    return served_name
+    return served_name, models[served_name]
 
 
 def bench_in_process(model, tokenizer, name, config, workload, threads: int) -> dict:

@@ -58,6 +58,16 @@ class Workload:
             if not ok:
                 raise InvalidValue(name, getattr(self, name), valid)
 
+    def longest(self) -> int:
+        """Prompt and output tokens of the longest request the workload can draw."""
+        return (round(self.prompt_tokens * (1 + self.prompt_spread)) + round(self.output_tokens * (1 + self.output_spread)))
+
+    def check_fits(self, context: int, whose: str) -> None:
+        """Refuse, before any load is sent, a workload whose longest request would not fit `context` tokens."""
+        if self.longest() > context:
+            raise InvalidValue("--prompt-tokens", self.prompt_tokens, f"prompt + output tokens of the longest request "
+                               f"({self.longest()}, spreads included) at most {whose} context, {context}")
+
     def prompts(self) -> list[tuple[list[int], int]]:
         """(prompt ids, max_tokens) for every request, reproducible from the seed."""
         rng = random.Random(self.seed)
@@ -111,9 +121,10 @@ class BenchReport:
         return asdict(self)
 
 
-def served_models(url: str, timeout_s: float = 10.0) -> list[str]:
-    """The model ids the OpenAI-compatible server at `url` (ending in /v1) lists under GET /models; an
-    InvalidValue naming --url when nothing answers there as such a server, before any load is sent."""
+def served_models(url: str, timeout_s: float = 10.0) -> dict[str, int | None]:
+    """The models the OpenAI-compatible server at `url` (ending in /v1) lists under GET /models, each id with its
+    context length where the server gives it (vLLM's and ours: `max_model_len`), else None; an InvalidValue naming
+    --url when nothing answers there as such a server, before any load is sent."""
     import httpx
 
     base = url.rstrip("/")
@@ -121,7 +132,7 @@ def served_models(url: str, timeout_s: float = 10.0) -> list[str]:
     try:
         response = httpx.get(base + "/models", timeout=timeout_s)
         response.raise_for_status()
-        return [entry["id"] for entry in response.json()["data"]]
+        return {entry["id"]: entry.get("max_model_len") for entry in response.json()["data"]}
     except (httpx.HTTPError, httpx.InvalidURL) as error:
         raise InvalidValue("--url", url, valid, f"GET {base}/models: {type(error).__name__}: {error}"[:300]) from None
     except (ValueError, KeyError, TypeError) as error:  # not JSON, or not the API's {"data": [{"id": ...}]}
