@@ -93,7 +93,7 @@ def test_generate_under_a_json_schema_or_a_regex(capsys, monkeypatch, tmp_path):
                                          (["generate", "hi", "--json-schema", "{not json"], "--json-schema"),
                                          (["generate", "hi", "--json-schema", "[1]"], "--json-schema"),
                                          (["generate", "hi", "--json-schema", "/no/such/schema.json"], "existing .json file"),
-                                         (["generate", "hi", "--regex", "[a-"], "structured_output.regex"),
+                                         (["generate", "hi", "--regex", "[a-"], "--regex="),
                                          (["generate", "hi", "--regex", "a", "--json-schema", "{}"], "--json-schema"),
                                          (["bench", "serve", "--url", "http://127.0.0.1:9/v1", "--hardware", "local"], "--hardware"),
                                          (["bench", "serve", "--hardware", "no-such-chip"], "no-such-chip"),

@@ -146,9 +146,14 @@ def generate_command(
                                                       speculative_tokens=speculative_tokens))
     start = time.perf_counter()
     prompt_ids = llm.encode(prompt) if raw else tokenizer.chat_ids([{"role": "user", "content": prompt}])
-    for output in llm.stream(prompt_ids, params):  # the text as it comes, then the finished request
-        if not json and isinstance(output, Delta):
-            typer.echo(output.text, nl=False)
+    try:
+        for output in llm.stream(prompt_ids, params):  # the text as it comes, then the finished request
+            if not json and isinstance(output, Delta):
+                typer.echo(output.text, nl=False)
+    except InvalidValue as error:  # the engine compiles the grammar when the request arrives: name our option
+        if not error.field.startswith("structured_output"):
+            raise
+        raise InvalidValue("--regex" if regex is not None else "--json-schema", error.value, error.valid) from None
     elapsed = time.perf_counter() - start
     decode_s = output.latency_s - (output.ttft_s or 0.0)  # the request's own clock: not the chat template's rendering
     result = {"model": name, "text": output.text, "finish_reason": output.finish_reason,
