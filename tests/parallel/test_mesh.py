@@ -212,6 +212,7 @@ def _composed_and_clipped(rank, layout, config, stage):
 
 @pytest.mark.parametrize("config, layout, stage", [
     (TIED, MeshLayout(pp=2, tp=2), 0), (MOE, MeshLayout(dp=2, ep=2, cp=2), 0),
+    (TIED, MeshLayout(pp=4), 0),  # stages between the two tied copies (their zeros once kept the last step's sum)
     (TIED_MOE, MeshLayout(dp=2, ep=2, pp=2), 2), (MOE, MeshLayout(dp=2, ep=2, tp=2), 3)])
 def test_clipping_on_the_mesh_takes_the_whole_models_norm(config, layout, stage):
     """Clipping by the global norm (parallel/clipping.py) against torch's clip_grad_norm_ on one process, every step

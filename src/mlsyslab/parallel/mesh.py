@@ -260,14 +260,13 @@ def _all_reduce_gradients(parameters, rank: Rank, divisor: int, log: CommLog | N
 def _sum_tied_embedding_gradient(model: Llama, pp: Rank, log: CommLog | None, tied_gradient=None) -> None:
     """Tied embeddings under PP: the first stage's embedding and the last stage's head are one matrix
     held twice, so their gradients are summed over the pipeline group (Megatron's embedding group;
-    stages in between add zeros) and both copies take the same step. Under ZeRO-2 and -3 each rank sums its
-    slice (the same slice on both stages: the matrix has a ZeRO bucket, or unit, of its own), 1/N of the
-    bytes."""
+    stages in between add zeros, into a buffer they drop: kept as their `.grad`, which no optimizer of theirs
+    clears, it added the last step's sum again at every step) and both copies take the same step. Under ZeRO-2
+    and -3 each rank sums its slice (the same slice on both stages: the matrix has a ZeRO bucket, or unit, of its
+    own), 1/N of the bytes."""
     if tied_gradient is not None:
         gradient = tied_gradient()
     else:
         weight = model.embed_tokens.weight
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        gradient = weight.grad
+        gradient = weight.grad if weight.grad is not None else torch.zeros_like(weight)
     traced(log, "all_reduce", nbytes(gradient), pp.world_size, dist.all_reduce, gradient, group=pp.group)

@@ -47,6 +47,8 @@ def compare_training(config, result: dict, hardware: Hardware | None = None,
     dtype, width = run_dtype(config)
     stage, padded = config.zero_stage, result["padded_parameters"]
     weights, gradients, optimizer = model_state_bytes(padded, config.nproc, stage, "adam", dtype, config.offload)
+    if config.strategy == "ddp" and config.bf16:  # DDP's --bf16 is bf16 weights: AdamW's two moments in bf16, no master
+        optimizer = 2.0 * width * padded
     host = offloaded_optimizer_bytes(padded, config.nproc, stage) if config.offload else 0.0
     layout = Layout.of(dp=config.nproc, zero=stage, micro_batch=config.micro_batch, global_batch=config.global_batch,
                        seq=config.seq, offload=config.offload)
