@@ -603,3 +603,12 @@ def test_bf16_inside_the_mesh_sends_what_predict_says(tiny, single_process_losse
                       "data_parallel"):
         assert wire[dimension]["predicted"] > 0
         assert wire[dimension]["measured"] == pytest.approx(wire[dimension]["predicted"], rel=1e-4)
+
+
+def test_the_default_micro_batch_leaves_a_pipeline_enough_microbatches():
+    """Without --micro-batch or --microbatches, --pp 4 on 8 sequences runs 4 microbatches of 2 (the default once took
+    4-sequence microbatches whatever pp, and the layout was refused for having 2 < pp)."""
+    from mlsyslab.train.trainer import default_micro_batch
+
+    assert default_micro_batch(8, 1) == 4 and default_micro_batch(8, 1, pp=4) == 2
+    assert default_micro_batch(8, 2, pp=2) == 2 and default_micro_batch(8, 1, pp=16) == 1  # as many as there are

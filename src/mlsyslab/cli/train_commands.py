@@ -143,7 +143,7 @@ def _micro_batch(config, microbatches: int | None) -> int:
 
     share = config.global_batch // max(1, config.data_parallel)
     if microbatches is None:
-        return default_micro_batch(config.global_batch, config.data_parallel)
+        return default_micro_batch(config.global_batch, config.data_parallel, config.pp)
     if microbatches < 1 or share % microbatches:
         raise InvalidValue("microbatches", microbatches, f"a divisor of the {share} sequences per data-parallel rank")
     return share // microbatches

@@ -428,6 +428,9 @@ def _checkpoint_due(config: TrainConfig, step: int) -> bool:
     return done == config.steps or (config.checkpoint_every > 0 and done % config.checkpoint_every == 0)
 
 
-def default_micro_batch(global_batch: int, nproc: int) -> int:
+def default_micro_batch(global_batch: int, nproc: int, pp: int = 1) -> int:
+    """Sequences per microbatch when none is asked: the most, up to 4, that divide a rank's share and leave at least
+    `pp` microbatches to fill a pipeline (the default once ignored it, and the layout was then refused)."""
     per_rank = global_batch // nproc
-    return max(d for d in range(1, min(per_rank, 4) + 1) if per_rank % d == 0) if per_rank else 1
+    fitting = [d for d in range(1, min(per_rank, 4) + 1) if per_rank % d == 0 and per_rank // d >= pp]
+    return max(fitting) if fitting else 1
