@@ -70,7 +70,7 @@ def mlsys(*args, **kwargs):
     (["--resume"], "resume"),
     (["--tp", "3"], "layout"),  # dp·pp·cp·tp must equal nproc
     (["--tp", "2", "--nproc", "4", "--dp", "1"], "layout"),
-    (["--pp", "2", "--global-batch", "2"], "microbatches"),  # fewer microbatches than stages
+    (["--pp", "2", "--global-batch", "1"], "microbatches"),  # fewer sequences than stages
     (["--ep", "2"], "ep"),  # a dense model has no experts to split
     (["--pp", "2", "--schedule", "pipedream"], "schedule"),
     (["--pp", "2", "--interleave", "2"], "interleave"),
