@@ -322,6 +322,11 @@ def test_mesh_checkpoint_resumes_bitwise(tiny, tmp_path, layout):
     shutil.rmtree(directory / "step_00000004")  # as if killed between the two checkpoints
     resumed = _train_json(tiny, *args, "--resume")["result"]
     assert resumed["first_step"] == 2 and resumed["losses"] == reference[2:]
+    if "--tp" in layout:  # -m slow: resumed at the last step, nothing runs, and it says so (once silently no timeline)
+        again = mlsys("train", "--model-spec", str(tiny), "--nproc", "2", "--global-batch", "4", "--seq", "32", *args,
+                      "--resume", "--timeline", str(tmp_path / "timeline.png"))
+        assert again.returncode == 0 and "nothing to do" in again.stdout and "no timeline written" in again.stdout, \
+            again.stdout + again.stderr
 
 
 @pytest.mark.parametrize("strategy, extra", [  # CI time: DDP's and ZeRO-1's bytes also in tests/parallel/

@@ -160,7 +160,8 @@ def _print(config, result, comparison) -> None:
                   + (f"gradient norm {norms[0]:.4g} → {norms[-1]:.4g} (clipped to {config.clip_grad_norm:g}), "
                      if norms else "")
                   + f"{result['tokens_per_s']:,.0f} tokens/s" if losses else
-                  f"nothing to do: the newest checkpoint in {config.checkpoint_dir} is at step {result['first_step']}")
+                  f"nothing to do: the newest checkpoint in {config.checkpoint_dir} is at step {result['first_step']}"
+                  + (" (no step ran: no timeline written)" if config.timeline else ""))
     if comparison is None:
         return
     fmt = lambda v: "—" if v is None else human(v, "B")  # noqa: E731
