@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 
-PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+PASSED_ON = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))  # no SIGHUP on Windows
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
