@@ -213,6 +213,8 @@ def engine_config(kv_cache_gb, block_size, max_batched_tokens, max_running, max_
     check_positive(block_size=block_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
                    max_waiting=max_waiting, decode_steps=decode_steps)
     check_greater_than_zero(kv_cache_gb=kv_cache_gb)
+    from mlsyslab.measure.memory import machine_memory_bytes
+
     memory = machine_memory_bytes()
     if memory and kv_cache_gb * 1e9 > memory:
         raise InvalidValue("--kv-cache-gb", kv_cache_gb, f"at most this machine's memory, {memory / 1e9:.1f} GB")
@@ -237,16 +239,6 @@ def loaders(model: str, dtype: str, threads: int | None, cache_dir: Path | None)
     if threads is not None:
         torch.set_num_threads(threads)
     return pretrained.loaders(model, dtype, cache_dir)
-
-
-def machine_memory_bytes() -> int | None:
-    """Physical memory (None where the OS does not say)."""
-    import os
-
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def load(model: str, dtype: str, threads: int | None, cache_dir: Path | None):

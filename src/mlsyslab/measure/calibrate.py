@@ -21,7 +21,6 @@ The result is a hardware spec (accelerator + system + the fitted assumptions) at
 ~/.cache/mlsyslab/hardware/local.yaml, which `--hardware local` reads.
 """
 
-import os
 import statistics
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ import yaml
 
 from mlsyslab.comm import shared_memory
 from mlsyslab.comm.launch import Rank, spawn
+from mlsyslab.measure.memory import machine_memory_bytes
 from mlsyslab.specs.catalog import LOCAL_HARDWARE
 
 WIDTHS = (32, 64, 128, 256, 512, 1024)
@@ -162,7 +162,7 @@ def _spec(nproc: int, threads: int, measured: list) -> dict:
     alpha, beta, seconds = _alpha_beta(measured, "all_reduce", n)
     shared = all(m["shared_memory_all_reduce"] is not None for m in measured)
     shm_alpha, shm_beta, shm_seconds = _alpha_beta(measured, "shared_memory_all_reduce", n) if shared else (alpha, beta, None)
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    memory = machine_memory_bytes()
     accelerator = {
         "name": "local", "aliases": ["this-machine"], "vendor": "this machine", "kind": "cpu",
         "launch_year": time.gmtime().tm_year,
