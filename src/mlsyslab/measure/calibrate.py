@@ -179,7 +179,7 @@ def _spec(nproc: int, threads: int, measured: list) -> dict:
                    "memory_bandwidth_efficiency": 1.0, "scale_up_efficiency": 1.0, "scale_out_efficiency": 1.0,
                    "scale_up_latency_s": float(alpha), "scale_out_latency_s": float(alpha),
                    "kernel_overhead_s": float(kernel), "data_parallel_overlap": 0.0,
-                   "sequence_parallel_regather_overlap": 0.0,
+                   "sequence_parallel_regather_overlap": 0.0, "eager_activations": True,  # as nn/ saves them
                    "shared_memory_latency_factor": float(shm_alpha / alpha),
                    "shared_memory_bandwidth_factor": float(shm_beta / beta),
                    "output_projection_efficiency": min(1.0, float(statistics.median(

@@ -48,11 +48,14 @@ def plain_model_state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer
 
 
 class ActivationMeter:
-    """Counts the bytes autograd saves for backward: `with meter.track(model.parameters()): loss = ...`.
+    """Counts the bytes autograd saves for backward: `with meter.track([*model.parameters(), x, y]): loss = ...`.
 
-    Tensors living in the storage of the given parameters (weights and their views) are not activations.
+    Tensors living in the storage of the tensors given — the weights and the batch's token ids and targets, which
+    the step holds anyway, and their views — are not activations.
     Across forwards whose activations are held at once (a pipeline's microbatches in flight), each tracked
     forward adds its bytes to `held_bytes` until its backward `release`s them; `peak_bytes` is the most held.
+    Autograd calls only the innermost saved-tensor hooks, so hooks of their own inside a tracked forward (ZeRO-3's
+    units) pass the tensors they do not take on to `count_saved`.
     """
 
     def __init__(self):
@@ -64,19 +67,32 @@ class ActivationMeter:
         """A tracked forward's activations are freed (its backward ran)."""
         self.held_bytes -= nbytes
 
+    def count(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self._storages:
+            self._storages.add(storage.data_ptr())
+            self.saved_bytes += storage.nbytes()
+        return tensor
+
     @contextmanager
-    def track(self, parameters=()):
+    def track(self, held=()):
         self.saved_bytes = 0
-        self._storages = {p.untyped_storage().data_ptr() for p in parameters}
-
-        def pack(tensor):
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in self._storages:
-                self._storages.add(storage.data_ptr())
-                self.saved_bytes += storage.nbytes()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            yield self
+        self._storages = {tensor.untyped_storage().data_ptr() for tensor in held}
+        _tracking.append(self)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.count, lambda tensor: tensor):
+                yield self
+        finally:
+            _tracking.pop()
         self.held_bytes += self.saved_bytes
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+
+_tracking: list[ActivationMeter] = []  # meters inside track(), innermost last
+
+
+def count_saved(tensor: torch.Tensor) -> None:
+    """`tensor` is saved for backward by saved-tensor hooks that hide the meter's (see ActivationMeter): count it in
+    the meter tracking this forward, if any."""
+    if _tracking:
+        _tracking[-1].count(tensor)

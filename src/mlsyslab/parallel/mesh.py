@@ -158,17 +158,18 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
     """
     layout, logs = mesh.layout, logs or {}
     rows = inputs.chunk(layout.dp)[mesh.dp.rank], targets.chunk(layout.dp)[mesh.dp.rank]
+    positions = None  # the rows' places in the sequence: all of it, but under CP
+    if layout.cp > 1:  # this rank's zig-zag share of each sequence
+        positions = zigzag_indices(rows[0].shape[1], layout.cp, mesh.cp.rank)
+        rows = rows[0][:, positions], rows[1][:, positions]
     if layout.pp > 1:
-        if layout.cp > 1:  # the stages hold this rank's zig-zag share of each sequence
-            positions = zigzag_indices(rows[0].shape[1], layout.cp, mesh.cp.rank)
-            rows = rows[0][:, positions], rows[1][:, positions]
         loss = pipeline.step(*rows, optimizer, meter)[0]
         loss = torch.tensor(0.0 if loss is None else loss, dtype=torch.float64)
         dist.all_reduce(loss, group=mesh.pp.group)  # only the last stage had it
         if model.config.tied_embeddings:
             _sum_tied_embedding_gradient(model, mesh.pp, logs.get("pipeline_p2p"), tied_gradient)
     else:  # the rows in microbatches whose gradients accumulate
-        loss = sum(_microbatch_backward(model, mesh, x, y, microbatches, logs, meter)
+        loss = sum(_microbatch_backward(model, mesh, x, y, positions, microbatches, logs, meter)
                    for x, y in zip(rows[0].chunk(microbatches), rows[1].chunk(microbatches)))
     if layout.cp > 1:  # each CP rank's loss is the mean over its (equal) share: their mean is the whole's
         dist.all_reduce(loss, group=mesh.cp.group)
@@ -185,30 +186,30 @@ def composed_step(model: Llama, mesh: MeshRanks, inputs: torch.Tensor, targets: 
     return loss.item() / layout.dp
 
 
-def _microbatch_backward(model: Llama, mesh: MeshRanks, x: torch.Tensor, y: torch.Tensor, microbatches: int,
-                         logs: dict, meter: ActivationMeter | None = None) -> torch.Tensor:
+def _microbatch_backward(model: Llama, mesh: MeshRanks, x: torch.Tensor, y: torch.Tensor,
+                         positions: torch.Tensor | None, microbatches: int, logs: dict,
+                         meter: ActivationMeter | None = None) -> torch.Tensor:
     """Forward and backward of one of a rank's `microbatches` (without PP): its loss over 1/microbatches of the
-    rank's rows; under CP this rank's zig-zag share of each sequence through ring attention (the mean over its
-    tokens: see `composed_step`), under TP the vocabulary-parallel loss; an MoE model adds its load-balancing
-    loss. Returns the detached share."""
-    with meter.track(model.parameters()) if meter is not None else nullcontext():
-        loss = _microbatch_loss(model, mesh, x, y, microbatches, logs)
+    rank's rows; under CP (`positions`: their places in the sequence) this rank's zig-zag share of each sequence
+    through ring attention (the mean over its tokens: see `composed_step`), under TP the vocabulary-parallel loss; an
+    MoE model adds its load-balancing loss. Returns the detached share."""
+    with meter.track([*model.parameters(), x, y]) if meter is not None else nullcontext():
+        loss = _microbatch_loss(model, mesh, x, y, positions, microbatches, logs)
     loss.backward()
     if meter is not None:
         meter.release(meter.saved_bytes)
     return loss.detach()
 
 
-def _microbatch_loss(model: Llama, mesh: MeshRanks, x: torch.Tensor, y: torch.Tensor, microbatches: int,
-                     logs: dict) -> torch.Tensor:
+def _microbatch_loss(model: Llama, mesh: MeshRanks, x: torch.Tensor, y: torch.Tensor,
+                     positions: torch.Tensor | None, microbatches: int, logs: dict) -> torch.Tensor:
     """The forward of `_microbatch_backward`: the microbatch's share of the loss."""
     layout = mesh.layout
-    if layout.cp > 1:  # this rank's zig-zag share of each sequence
-        positions = zigzag_indices(x.shape[1], layout.cp, mesh.cp.rank)
+    if layout.cp > 1:  # this rank's zig-zag share of each sequence, attending through the ring
         wire = Wire(mesh.cp, logs.get("context_parallel"))
-        hidden = model.hidden_states(x[:, positions], positions.expand(x.shape[0], -1),
+        hidden = model.hidden_states(x, positions.expand(x.shape[0], -1),
                                      lambda layer, q, k, v: ring_attention(wire, q, k, v))
-        logits, y = model.lm_head(hidden), y[:, positions]
+        logits = model.lm_head(hidden)
     else:
         logits = model(x)
     loss = vocab_parallel_cross_entropy(logits, y, TensorGroup(mesh.tp, logs.get("tensor_parallel"))) \

@@ -157,7 +157,8 @@ class PipelineRank:
                 x = micro_inputs[action.microbatch] if incoming is None else incoming[1].requires_grad_(True)
                 began = time.perf_counter()
                 weights = chunk.parameters() if self.stashes is None else self.stashes[action.chunk].current().values()
-                with meter.track(weights) if meter is not None else nullcontext():
+                held = [*weights, inputs, targets]  # the batch's tokens and targets: not activations
+                with meter.track(held) if meter is not None else nullcontext():
                     out = chunk(x) if self.stashes is None else self.stashes[action.chunk].forward(action.microbatch, x)
                     share = 1 if self.stashes is not None else m  # PipeDream: each microbatch's own update
                     balance = self._balance(chunk, share)

@@ -30,6 +30,7 @@ from mlsyslab.comm.log import CommLog
 from mlsyslab.comm.p2p import Pending
 from mlsyslab.comm.shared_memory import SharedMemoryCollectives, start_sharded
 from mlsyslab.errors import InvalidValue
+from mlsyslab.measure.memory import count_saved
 
 
 class PartitionedParameters:
@@ -97,7 +98,8 @@ class PartitionedParameters:
 
     def pack(self, tensor: torch.Tensor):
         unit = self._live_storages.get(tensor.untyped_storage().data_ptr())
-        if unit is None:
+        if unit is None:  # an activation: an ActivationMeter's hooks, which these hide, count it
+            count_saved(tensor)
             return tensor
         return _Handle(unit, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
 

@@ -38,6 +38,11 @@ class Assumptions:
         True, "attention never materialises the s x s scores in HBM (FlashAttention, Dao et al. 2022); "
         "when false the scores, softmax and dropout mask cost 5·a·s bytes per token per layer, read "
         "and written (Korthikanti et al. 2022)")
+    eager_activations: bool = documented(
+        False, "count the activations a layer stores as mlsyslab's nn/ saves them under eager PyTorch "
+        "(predict.memory.eager_activation_bytes_per_layer: norms keep fp32 copies, SwiGLU silu(gate) too, attention "
+        "its log-sum-exp, an MoE layer its routing indices and each copy's input and output), at the training dtype; "
+        "false: Korthikanti et al. 2022's 16-bit count for Megatron's fused kernels. The trainer's twin sets it")
     loss_bytes_per_logit: float = documented(
         16.0, "HBM bytes the loss moves per logit, forward and backward (fp32 logits written, softmax read and "
         "written, gradient written): memory-bound on GPUs; on a CPU the exponentials cost more, and "

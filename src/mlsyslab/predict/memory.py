@@ -14,7 +14,9 @@ Activations per layer and microbatch (Korthikanti et al. 2022, arXiv 2205.05198,
 s·b·h·(34 + 5·a·s/h) without parallelism; tensor parallel t divides all but 10·s·b·h, sequence
 parallelism divides those too; selective recompute drops the 5·a·s²·b attention-score term; full
 recompute keeps only each layer's 2·s·b·h input. Generalised here to GQA widths, gated MLPs and
-MoE (top-k routed copies of each token). Pipeline stages hold the microbatches in flight:
+MoE (top-k routed copies of each token). With `eager_activations` (the trainer's twin; `mlsys calibrate` sets it for
+this machine) what nn/'s layers save under eager PyTorch instead, tensor by tensor (`eager_activation_bytes_per_layer`),
+at the training dtype. Pipeline stages hold the microbatches in flight:
 GPipe m, 1F1B and PipeDream min(m, p), interleaved min(m, p)·(1 + (p−1)/(p·v)) on the first stage, counted for
 the layers the first stage holds.
 PipeDream's weight stashing (Narayanan et al., SOSP'19 §3.3; parallel/weight_stash.py) also keeps a copy of
@@ -139,6 +141,70 @@ def activation_bytes_per_layer(model: Model, layout: Layout, moe_layer: bool = F
     return s * b * np.where(layout.recompute == 2, full, per_token), s * b * per_token
 
 
+def eager_activation_bytes_per_layer(model: Model, layout: Layout, element_bytes: float, moe_layer: bool = False):
+    """Bytes one layer saves for backward when PyTorch runs it eagerly, as mlsyslab's nn/ Llama is written — one
+    microbatch, one rank, at `element_bytes` per activation — where `activation_bytes_per_layer` counts Megatron's
+    fused kernels (Korthikanti et al. 2022). Tensor by tensor, as autograd keeps them (held to the byte against
+    measure.memory.ActivationMeter: tests/measure/test_activation_meter.py, and on every layout, tests/train/):
+    - each RMSNorm its input and normalised input in fp32 and the reciprocal RMS: 8h + 4 bytes a token in any dtype
+      (F.rms_norm on a CPU computes in fp32); under SP on this rank's shard of the sequence;
+    - the q|k|v and gate|up entries their input (under SP only the shard, gathered again in backward);
+    - attention q, k and v after rotary, its output (under CP in 16 bits, ring attention's fp32 accumulator too)
+      and each query head's log-sum-exp (fp32); Qwen3's head norms as norms of q and k;
+    - SwiGLU gate, up, silu(gate) and their product (a plain MLP fc1's output and the activation's);
+    - an MoE layer, routing balanced and nothing dropped: the router's input (under SP its shard), the router's
+      probabilities and the kept weights (fp32), the top-k, sorted and kept copies' indices (int64) and the kept
+      mask, the k routed copies of each token, each copy's SwiGLU, its weight and the combine's outputs and weighted
+      outputs (under EP the arrived copies' order too); per layer the experts' token fractions of the balancing
+      loss.
+    Full recompute keeps each layer's input only."""
+    n = layout.micro_batch * (layout.seq / layout.cp)  # tokens of the microbatch on this rank
+    w = element_bytes
+    h, t = model.hidden, layout.tp.astype(float)
+    share = np.where(layout.sequence_parallel, 1.0 / t, 1.0)  # of the tokens outside the TP region
+    heads, kv_heads = model.heads, model.num_kv_heads
+    q_width, kv_width = heads * model.attention_head_dim, kv_heads * model.attention_head_dim
+    if model.mla is not None:
+        q_width = heads * (model.mla.qk_nope_head_dim + model.mla.qk_rope_head_dim)
+        kv_width = (q_width + heads * model.mla.v_head_dim) / 2
+    norm = 8 * h + 4
+    output_bytes = w + np.where(layout.cp > 1, 4 if w < 4 else 0, 0)  # ring attention also keeps its fp32 sum
+    attention = ((q_width + 2 * kv_width) * w + q_width * output_bytes + 4 * heads) / t
+    if model.qk_norm:
+        attention = attention + (8 * (q_width + kv_width) + 4 * (heads + kv_heads)) / t
+    per_token = (2 * norm + h * w) * share + attention
+    constant = 0.0
+    if moe_layer and model.moe is not None:
+        k, experts, f = model.moe.experts_per_token, model.moe.experts, model.moe.expert_ffn_hidden
+        # probabilities and the kept weights (fp32), top-k, sorted and kept copies' indices (int64), the kept mask
+        routing = 4 * experts + 4 + 4 * k + 8 * k + 8 * k + k + 8 * k + np.where(layout.ep > 1, 8 * k, 0)
+        copies = k * (h + 4 * f / t + 2 * h + 1) * w  # input, SwiGLU, output and weighted output, the weight
+        shared = model.moe.shared_experts * 4 * f / t * w
+        per_token = per_token + h * w * share + routing + copies + shared
+        constant = 4.0 * experts
+    else:
+        per_token = per_token + h * w * share + (4 if model.gated_mlp else 2) * model.ffn_hidden / t * w
+    return np.where(layout.recompute == 2, n * h * w * share, n * per_token + constant)
+
+
+def eager_activation_bytes_outside_layers(model: Model, layout: Layout, element_bytes: float, head):
+    """What the first stage's rank saves for backward outside its layers, one microbatch, run as nn/ runs it:
+    rotary's cos and sin (2 · head_dim a token at the compute dtype, for each of an interleaved rank's chunks); under
+    TP the vocabulary-parallel embedding's local ids and mask (9 bytes a token; the token ids themselves are the
+    batch's); and where `head` (a bool per layout: the rank also holds the last stage) the final norm, the head's
+    input (under SP its shard) and the loss — fp32 log-probabilities of the rank's vocabulary slice, and under TP its
+    local targets and mask (9 bytes a token), else cross-entropy's 4-byte total weight."""
+    n = layout.micro_batch * (layout.seq / layout.cp)
+    t = layout.tp.astype(float)
+    share = np.where(layout.sequence_parallel, 1.0 / t, 1.0)
+    rope_dim = model.attention_head_dim if model.mla is None else model.mla.qk_rope_head_dim
+    chunks = np.where(layout.schedule == 2, layout.interleave, 1)
+    outside = n * 2 * rope_dim * element_bytes * chunks + np.where(layout.tp > 1, 9 * n, 0.0)
+    loss = n * ((8 * model.hidden + 4 + model.hidden * element_bytes) * share + 4 * model.vocab / t) \
+        + np.where(layout.tp > 1, 9 * n, 4.0)
+    return outside + np.where(head, loss, 0.0)
+
+
 def training_memory(model: Model, layout: Layout, hbm_bytes: float, optimizer: str = "adam",
                     dtype: str = "bf16", assumptions: Assumptions = DEFAULT,
                     stages: StageLayers | None = None) -> TrainingMemory:
@@ -158,9 +224,8 @@ def training_memory(model: Model, layout: Layout, hbm_bytes: float, optimizer: s
     offloaded = offloaded + offloaded_optimizer_bytes(experts, expert_dp, layout.zero, optimizer)
     host = np.where(layout.offload, offloaded, 0.0)
 
-    dense_stored, moe_stored, working_layer = _activations(model, layout, assumptions)
-    activations = ((stages.first - stages.first_moe) * dense_stored + stages.first_moe * moe_stored) \
-        * _microbatches_in_flight(layout)
+    activations = first_stage_activation_bytes(model, layout, stages, DTYPE_BYTES[dtype], assumptions)
+    working_layer = _activations(model, layout, assumptions)[2]
     # Buffers: one layer's full activations live during its recompute + backward, fp32 logits for
     # the loss on the last stage, ZeRO-3's two gathered layers (current + prefetch).
     logits = 4.0 * layout.seq / layout.cp * layout.micro_batch * model.vocab / layout.tp
@@ -169,6 +234,22 @@ def training_memory(model: Model, layout: Layout, hbm_bytes: float, optimizer: s
     buffers = np.where(layout.recompute == 2, working_layer, 0.0) + logits + gathered
     capacity = hbm_bytes * assumptions.memory_usable_fraction - assumptions.memory_reserved_bytes
     return TrainingMemory(weights, gradients, optimizer_bytes, activations, buffers, host, capacity)
+
+
+def first_stage_activation_bytes(model: Model, layout: Layout, stages: StageLayers, element_bytes: float,
+                                 assumptions: Assumptions = DEFAULT):
+    """What the first pipeline stage's rank holds for backward at its peak: its layers' activations per microbatch
+    times the microbatches the schedule keeps in flight. Korthikanti's 16-bit count (whatever `element_bytes`), or
+    with `assumptions.eager_activations` what nn/ saves at `element_bytes` an activation, with the embedding's
+    tensors and, without PP, the head's and the loss's."""
+    dense, moe, _ = _activations(model, layout, assumptions)
+    outside = 0.0
+    if assumptions.eager_activations:
+        dense = eager_activation_bytes_per_layer(model, layout, element_bytes)
+        moe = eager_activation_bytes_per_layer(model, layout, element_bytes, True) if model.moe is not None else dense
+        outside = eager_activation_bytes_outside_layers(model, layout, element_bytes, layout.pp == 1)
+    layers = (stages.first - stages.first_moe) * dense + stages.first_moe * moe
+    return (layers + outside) * _microbatches_in_flight(layout)
 
 
 def _activations(model: Model, layout: Layout, assumptions: Assumptions):

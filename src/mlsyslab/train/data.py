@@ -26,4 +26,4 @@ class TokenBatches:
         picks = self.order[(first + torch.arange(per_rank)) % len(self.order)]
         starts = picks * self.seq
         windows = torch.stack([self.tokens[s: s + self.seq + 1] for s in starts.tolist()])
-        return windows[:, :-1], windows[:, 1:]
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # flattened as views: no copy to hold

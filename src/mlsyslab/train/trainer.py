@@ -313,7 +313,7 @@ def train(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progress=None) 
         for micro, (x, y) in enumerate(zip(inputs.split(config.micro_batch), targets.split(config.micro_batch))):
             last = micro == config.microbatches - 1
             measure = last and step == config.steps - 1
-            with (wrapped.no_sync() if not last else nullcontext()), (meter.track(model.parameters()) if measure else nullcontext()):
+            with (wrapped.no_sync() if not last else nullcontext()), (meter.track([*model.parameters(), x, y]) if measure else nullcontext()):
                 logits = wrapped(x)
                 loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
                 (loss / config.microbatches).backward()

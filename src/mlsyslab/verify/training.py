@@ -6,7 +6,8 @@ activations and step time are models, shown with their ratio. Predicted:
 - wire per step with m microbatches per rank: DDP all-reduce 2(N−1)/N·Ψ; ZeRO-1 reduce-scatter and
   all-gather (N−1)/N·Ψ each; ZeRO-2 reduce-scatter m times; ZeRO-3 all-gather 2m times and
   reduce-scatter m times (bytes of the compute dtype);
-- activations: predict.memory.activation_bytes_per_layer × layers (+ logits), at the run's dtype;
+- activations: what nn/ saves for backward in one microbatch's forward (predict.memory's eager accounting, at the
+  run's dtype: the layers, the embedding, the head and the loss's fp32 log-probabilities);
 - step time: predict.training.predict_training on `hardware` (after `mlsys calibrate`: --hardware local).
 """
 
@@ -16,7 +17,8 @@ from mlsyslab.predict.assumptions import DEFAULT, Assumptions
 from mlsyslab.predict.collectives import ring_all_reduce_bytes_per_rank, ring_shard_bytes_per_rank
 from mlsyslab.predict.hardware import Hardware
 from mlsyslab.predict.layout import Layout
-from mlsyslab.predict.memory import activation_bytes_per_layer, model_state_bytes, offloaded_optimizer_bytes
+from mlsyslab.predict.memory import first_stage_activation_bytes, model_state_bytes, offloaded_optimizer_bytes
+from mlsyslab.predict.pipeline import stage_layers
 from mlsyslab.predict.training import predict_training
 from mlsyslab.specs.schema import DTYPE_BYTES, Model
 
@@ -52,9 +54,7 @@ def compare_training(config, result: dict, hardware: Hardware | None = None,
     host = offloaded_optimizer_bytes(padded, config.nproc, stage) if config.offload else 0.0
     layout = Layout.of(dp=config.nproc, zero=stage, micro_batch=config.micro_batch, global_batch=config.global_batch,
                        seq=config.seq, offload=config.offload)
-    stored, _ = activation_bytes_per_layer(spec, layout, flash_attention=True)
-    logits = 4.0 * config.micro_batch * config.seq * spec.vocab  # fp32 log-probabilities for the loss
-    activations = float(stored) * spec.layers * width / 2 + logits  # Korthikanti counts 16-bit activations
+    activations = saved_activation_bytes(spec, layout, stage_layers(spec, layout), width, assumptions)
     predicted_memory = {"weights": weights, "gradients": gradients, "optimizer": optimizer, "host_offload": host,
                         "activations": activations}
     measured_memory = {**result["held_bytes"], "activations": result["activation_bytes"]}
@@ -133,10 +133,8 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
         wire["gradient_norm"] = float(ring_all_reduce_bytes_per_rank(4, config.nproc))
     measured_step = float(np.median(result["step_s"][1:] or result["step_s"])) if result["step_s"] else None
     report = {
-        # under ZeRO-3 its units' own saved-tensor hooks take every tensor saved inside them (the innermost hook
-        # packs), so the meter sees only what is saved outside the units: not measured
-        "memory_bytes": {"activations": _pair(mesh_activation_bytes(config, spec, prediction.memory),
-                                              result["activation_bytes"] if config.zero_stage < 3 else None)},
+        "memory_bytes": {"activations": _pair(saved_activation_bytes(spec, layout, prediction.stages, width,
+                                                                     assumptions), result["activation_bytes"])},
         "wire_bytes_per_step": {name: _pair(wire[name], result["wire_bytes_per_step"].get(name, 0.0)) for name in wire},
         "stage_layers": _pair(first_layers, result["stage_layers"]),
         "bubble": _pair(float(np.asarray(prediction.bubble_fraction).reshape(-1)[0]) if config.pp > 1 else None,
@@ -149,15 +147,13 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
     return report
 
 
-def mesh_activation_bytes(config, spec: Model, memory) -> float:
-    """What rank 0 holds for backward at once, as predict.memory states it for the layout (Korthikanti's 16-bit
-    bytes per layer, TP and SP shares, the microbatches the schedule keeps in flight on the first stage), scaled to
-    the run's dtype, plus, on the rank that takes the loss, its fp32 log-probabilities of the vocabulary slice
-    (b·s/cp·vocab/tp)."""
-    width = run_dtype(config)[1]
-    layers = float(np.asarray(memory.activations).reshape(-1)[0]) * width / 2
-    loss = 4.0 * config.micro_batch * config.seq / config.cp * spec.vocab / config.tp if config.pp == 1 else 0.0
-    return layers + loss
+def saved_activation_bytes(spec: Model, layout: Layout, stages, width: float,
+                           assumptions: Assumptions = DEFAULT) -> float:
+    """What rank 0 holds for backward at once: predict.memory's count of what nn/ saves (its eager accounting) for
+    the layers the first stage holds, the embedding and, without PP, the head and the loss, at the run's `width`
+    bytes an activation, times the microbatches the schedule keeps in flight."""
+    eager = assumptions.override({"eager_activations": True})
+    return float(np.asarray(first_stage_activation_bytes(spec, layout, stages, width, eager)).reshape(-1)[0])
 
 
 def vocab_parallel_bytes(config, spec: Model, head: bool = True) -> float:
