@@ -237,6 +237,13 @@ def test_impossible_layouts_are_rejected(layout, field):
         layout.validate(CONFIG, world, SEQ, MICROBATCHES)
 
 
+def test_an_odd_sequence_is_valid_without_context_parallelism():
+    """Zig-zag CP needs 2·cp chunks; with cp = 1 there are none (the mesh trainer refused an odd --seq, naming cp=1)."""
+    MeshLayout(tp=2, pp=2).validate(CONFIG, 4, 63, MICROBATCHES)
+    with pytest.raises(InvalidValue, match="cp"):
+        MeshLayout(cp=2).validate(CONFIG, 2, 63, MICROBATCHES)
+
+
 @pytest.mark.parametrize("layout, field, message", [
     (MeshLayout(dp=4, ep=3), "ep", "divisor of the 4 data-parallel"), (MeshLayout(dp=8, ep=8), "ep", "4 experts"),
     (MeshLayout(dp=2, tp=4), "tp", "KV heads")])

@@ -77,7 +77,7 @@ class MeshLayout:
                                            ("tp", self.tp, model_config.ffn_hidden, "MLP hidden units"),
                                            ("tp", self.tp, model_config.expert_hidden, "expert hidden units"),
                                            ("pp", self.pp, model_config.layers, "layers"),
-                                           ("cp", 2 * self.cp, seq, "tokens of a sequence")):
+                                           ("cp", 2 * self.cp if self.cp > 1 else 1, seq, "tokens of a sequence")):
             if divides % value:
                 rule = "2·cp (zig-zag: 2·cp chunks) dividing" if name == "cp" else "a divisor of"
                 raise InvalidValue(name, getattr(self, name), f"{rule} the {divides} {what}")
