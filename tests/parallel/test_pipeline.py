@@ -15,6 +15,8 @@ from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.parallel.pipeline import PipelineRank, StageChunk, forward_flops_per_token, split
 from mlsyslab.parallel.schedules import build, chrome_trace, render_png, timeline, weight_versions
 from mlsyslab.predict.pipeline import pipeline_bubble_fraction
+from mlsyslab.predict.layout import Layout
+from mlsyslab.predict.memory import microbatches_in_flight
 
 CONFIG = LlamaConfig(vocab=64, hidden=32, layers=8, heads=4, kv_heads=2, head_dim=8, ffn_hidden=48, tied_embeddings=False,
                      max_seq=64)
@@ -57,7 +59,6 @@ def test_split_balances_predicted_cost_with_the_output_layer(stages):
 def test_predict_splits_the_stages_as_the_pipeline_does(config):
     """predict.pipeline.stage_layers, from the architecture alone, gives each rank the layers `split` gives it from
     the built model's weights (virtual stage i on rank i mod p), the experts' layers among them too."""
-    from mlsyslab.predict.layout import Layout
     from mlsyslab.predict.pipeline import stage_layers
 
     model, spec = Llama(config), config.to_spec("probe", 1, "test")
@@ -80,6 +81,16 @@ def test_activations_in_flight():
     assert timeline(build("1f1b", 4, 8)).peak_in_flight == [4, 3, 2, 1]
     interleaved = timeline(build("interleaved", 4, 8, 2)).peak_in_flight[0]  # in chunks of 1/v stage
     assert interleaved / 2 == pytest.approx(4 * (1 + 3 / (4 * 2)))  # p·(1 + (p−1)/(p·v)) (Korthikanti et al.)
+
+
+@pytest.mark.parametrize("name, p, v", [("gpipe", 3, 1), ("1f1b", 4, 1), ("interleaved", 2, 3), ("interleaved", 4, 2)])
+def test_predict_holds_the_first_stages_microbatches_in_flight_as_the_schedule_does(name, p, v):
+    """predict.memory's closed form, in whole-rank units, against the schedule simulated — also where m·v chunk
+    forwards are fewer than interleaving's warm-up (m = p: it had p·(1 + (p−1)/(p·v)) > m)."""
+    for m in (p, 2 * p, 3 * p):
+        layout = Layout.of(pp=p, schedule=name, interleave=v, global_batch=m, micro_batch=1, seq=64)
+        simulated = timeline(build(name, p, m, v)).peak_in_flight[0] / v
+        assert float(microbatches_in_flight(layout)) == pytest.approx(simulated), m
 
 
 def test_pipedream_weight_stashing_versions():

@@ -427,9 +427,11 @@ def test_clipping_under_pipedream_is_refused_before_launch(untied, capsys, monke
     assert code == 2 and "steps" in err  # the same run without clipping passes that check (and stops at the next)
 
 
-def test_pipeline_schedules_hold_the_activations_predict_says(untied):
+def test_pipeline_schedules_hold_the_activations_predict_says(untied, tmp_path):
     """The first stage's activations held at once, measured from what autograd saves: GPipe keeps all m = 4
-    microbatches, 1F1B p = 2 of them — exactly twice the bytes — and each as predict.memory states it, to the byte."""
+    microbatches, 1F1B p = 2 of them — exactly twice the bytes — and each as predict.memory states it, to the byte;
+    interleaved too, where the cost-balanced split leaves rank 0's two chunks unequal (8 layers and a large output
+    layer: 2 + 3 of its 5), which the twin follows through rank 0's order."""
     held = {}
     for schedule in ("gpipe", "1f1b"):
         report = _train_json(untied, "--pp", "2", "--microbatches", "4", "--schedule", schedule, "--steps", "2")
@@ -437,6 +439,13 @@ def test_pipeline_schedules_hold_the_activations_predict_says(untied):
         assert held[schedule]["measured"] == held[schedule]["predicted"], (schedule, held[schedule])
     assert held["gpipe"]["measured"] == pytest.approx(2 * held["1f1b"]["measured"], rel=0.01)
     assert held["gpipe"]["predicted"] == pytest.approx(2 * held["1f1b"]["predicted"])
+    eight = tmp_path / "eight.yaml"
+    eight.write_text(untied.read_text().replace("layers: 2", "layers: 8"))
+    report = _train_json(eight, "--pp", "2", "--microbatches", "4", "--schedule", "interleaved", "--interleave", "2",
+                         "--steps", "1")
+    assert report["predicted_vs_measured"]["stage_layers"]["measured"] == 5
+    interleaved = report["predicted_vs_measured"]["memory_bytes"]["activations"]
+    assert interleaved["measured"] == interleaved["predicted"], interleaved
 
 
 @pytest.fixture(scope="module")

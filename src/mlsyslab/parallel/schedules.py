@@ -130,7 +130,7 @@ class Timeline:
         spans = [(rank, action, start - first, end - first) for rank, action, start, end in spans]
         return cls(spans, max(end for *_, end in spans), idle_fraction([(start, end) for *_, start, end in spans],
                                                                          schedule.stages),
-                   [_peak_in_flight(actions) for actions in schedule.actions])
+                   [peak_held(actions) for actions in schedule.actions])
 
 
 def timeline(schedule: Schedule, forward_s: float = 1.0, backward_s: float = 2.0) -> Timeline:
@@ -177,10 +177,13 @@ def idle_fraction(intervals: list, ranks: int) -> float:
     return 1 - sum(end - start for start, end in intervals) / (ranks * (last - first))
 
 
-def _peak_in_flight(actions) -> int:
+def peak_held(actions, chunk_weights=None):
+    """The most a rank holds at once over its `actions`: each forward holds its chunk's weight (`chunk_weights[c]`,
+    e.g. the bytes its chunk saves for backward; 1 each by default: microbatch-chunks in flight) until its backward."""
     held = peak = 0
     for action in actions:
-        held += 1 if action.kind == "F" else -1
+        weight = 1 if chunk_weights is None else chunk_weights[action.chunk]
+        held += weight if action.kind == "F" else -weight
         peak = max(peak, held)
     return peak
 

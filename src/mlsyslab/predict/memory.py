@@ -17,8 +17,8 @@ recompute keeps only each layer's 2·s·b·h input. Generalised here to GQA widt
 MoE (top-k routed copies of each token). With `eager_activations` (the trainer's twin; `mlsys calibrate` sets it for
 this machine) what nn/'s layers save under eager PyTorch instead, tensor by tensor (`eager_activation_bytes_per_layer`),
 at the training dtype. Pipeline stages hold the microbatches in flight:
-GPipe m, 1F1B and PipeDream min(m, p), interleaved min(m, p)·(1 + (p−1)/(p·v)) on the first stage, counted for
-the layers the first stage holds.
+GPipe m, 1F1B and PipeDream min(m, p), interleaved min(m, p + (p−1)/v) on the first stage (its chunks taken as equal),
+counted for the layers the first stage holds.
 PipeDream's weight stashing (Narayanan et al., SOSP'19 §3.3; parallel/weight_stash.py) also keeps a copy of
 the stage's weights per version still owed a backward: stage r up to min(m, p − r) of them, the first stage
 min(m, p) (counted on the heaviest stage: exact where that is the first).
@@ -187,22 +187,26 @@ def eager_activation_bytes_per_layer(model: Model, layout: Layout, element_bytes
     return np.where(layout.recompute == 2, n * h * w * share, n * per_token + constant)
 
 
-def eager_activation_bytes_outside_layers(model: Model, layout: Layout, element_bytes: float, head):
-    """What the first stage's rank saves for backward outside its layers, one microbatch, run as nn/ runs it:
-    rotary's cos and sin (2 · head_dim a token at the compute dtype, for each of an interleaved rank's chunks); under
-    TP the vocabulary-parallel embedding's local ids and mask (9 bytes a token; the token ids themselves are the
-    batch's); and where `head` (a bool per layout: the rank also holds the last stage) the final norm, the head's
-    input (under SP its shard) and the loss — fp32 log-probabilities of the rank's vocabulary slice, and under TP its
-    local targets and mask (9 bytes a token), else cross-entropy's 4-byte total weight."""
+def eager_chunk_activation_bytes(model: Model, layout: Layout, element_bytes: float, layers, moe_layers,
+                                 embedding: bool, head):
+    """What one model chunk saves for backward in a microbatch's forward, run as nn/ runs it: its `layers`
+    (`moe_layers` of them MoE) as `eager_activation_bytes_per_layer` counts them; rotary's cos and sin (2 · head_dim a
+    token at the compute dtype); with the `embedding`, under TP the vocabulary-parallel lookup's local ids and mask
+    (9 bytes a token; the token ids themselves are the batch's); where `head` (a bool per layout), the final norm, the
+    head's input (under SP its shard) and the loss — fp32 log-probabilities of the rank's vocabulary slice, and under
+    TP its local targets and mask (9 bytes a token), else cross-entropy's 4-byte total weight."""
     n = layout.micro_batch * (layout.seq / layout.cp)
     t = layout.tp.astype(float)
     share = np.where(layout.sequence_parallel, 1.0 / t, 1.0)
+    dense = eager_activation_bytes_per_layer(model, layout, element_bytes)
+    moe = eager_activation_bytes_per_layer(model, layout, element_bytes, True) if model.moe is not None else dense
     rope_dim = model.attention_head_dim if model.mla is None else model.mla.qk_rope_head_dim
-    chunks = np.where(layout.schedule == 2, layout.interleave, 1)
-    outside = n * 2 * rope_dim * element_bytes * chunks + np.where(layout.tp > 1, 9 * n, 0.0)
+    total = (layers - moe_layers) * dense + moe_layers * moe + n * 2 * rope_dim * element_bytes
+    if embedding:
+        total = total + np.where(layout.tp > 1, 9 * n, 0.0)
     loss = n * ((8 * model.hidden + 4 + model.hidden * element_bytes) * share + 4 * model.vocab / t) \
         + np.where(layout.tp > 1, 9 * n, 4.0)
-    return outside + np.where(head, loss, 0.0)
+    return total + np.where(head, loss, 0.0)
 
 
 def training_memory(model: Model, layout: Layout, hbm_bytes: float, optimizer: str = "adam",
@@ -242,14 +246,15 @@ def first_stage_activation_bytes(model: Model, layout: Layout, stages: StageLaye
     times the microbatches the schedule keeps in flight. Korthikanti's 16-bit count (whatever `element_bytes`), or
     with `assumptions.eager_activations` what nn/ saves at `element_bytes` an activation, with the embedding's
     tensors and, without PP, the head's and the loss's."""
-    dense, moe, _ = _activations(model, layout, assumptions)
-    outside = 0.0
-    if assumptions.eager_activations:
-        dense = eager_activation_bytes_per_layer(model, layout, element_bytes)
-        moe = eager_activation_bytes_per_layer(model, layout, element_bytes, True) if model.moe is not None else dense
-        outside = eager_activation_bytes_outside_layers(model, layout, element_bytes, layout.pp == 1)
-    layers = (stages.first - stages.first_moe) * dense + stages.first_moe * moe
-    return (layers + outside) * _microbatches_in_flight(layout)
+    if assumptions.eager_activations:  # the rank's chunks, taken as equal, and the rotary tables of each
+        chunks = np.where(layout.schedule == 2, layout.interleave, 1)
+        held = eager_chunk_activation_bytes(model, layout, element_bytes, stages.first, stages.first_moe, True,
+                                            layout.pp == 1) \
+            + (chunks - 1) * eager_chunk_activation_bytes(model, layout, element_bytes, 0, 0, False, False)
+    else:
+        dense, moe, _ = _activations(model, layout, assumptions)
+        held = (stages.first - stages.first_moe) * dense + stages.first_moe * moe
+    return held * microbatches_in_flight(layout)
 
 
 def _activations(model: Model, layout: Layout, assumptions: Assumptions):
@@ -262,11 +267,13 @@ def _activations(model: Model, layout: Layout, assumptions: Assumptions):
     return dense_stored, moe_stored, np.maximum(dense_full, moe_full)
 
 
-def _microbatches_in_flight(layout: Layout):
+def microbatches_in_flight(layout: Layout):
     """Microbatches whose activations the first pipeline stage holds at its peak."""
     m = layout.microbatches
     p = layout.pp.astype(float)
     v = layout.interleave.astype(float)
     one_f_one_b = np.minimum(m, p)
-    interleaved = one_f_one_b * (1 + (p - 1) / (p * v))
+    # Megatron's warm-up, (p − 1)·2 + (v − 1)·p chunk forwards, and one more before the first backward: of the rank's
+    # m·v, in whole-rank units min(m, p + (p − 1)/v) = min(m, p)·(1 + (p − 1)/(p·v)) once m > p
+    interleaved = np.minimum(m, p + (p - 1) / v)
     return np.select([layout.schedule == 0, layout.schedule == 2], [m, interleaved], one_f_one_b)

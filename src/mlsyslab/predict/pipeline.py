@@ -91,15 +91,27 @@ def stage_layers(model: Model, layout: Layout) -> StageLayers:
     a dense layer's matmul weights, an MoE layer's attention, shared experts, router and top-k routed experts, and the
     output layer on the last), virtual stage i on rank i mod pp (parallel/pipeline.py). Where pp × v exceeds the layers
     (an infeasible layout) the layers are shared evenly, fractions and all."""
-    b = parameters(model)
-    costs = [2.0 * b.matmul_per_dense_layer] * b.dense_layers + [2.0 * b.matmul_per_moe_layer] * b.moe_layers
-    head = 2.0 * b.output_projection
+    costs, dense_layers, head = _forward_costs(model)
     pp = np.asarray(layout.pp, dtype=np.int64)
     chunks = np.broadcast_to(np.where(np.asarray(layout.schedule) == 2, np.asarray(layout.interleave), 1), pp.shape)
     pairs, which = np.unique(pp * (1 << 32) + chunks, return_inverse=True)  # each (pp, v) split once
-    rows = [_rank_layers(tuple(costs), b.dense_layers, head, int(pair >> 32), int(pair & 0xFFFFFFFF)) for pair in pairs]
+    rows = [_rank_layers(costs, dense_layers, head, int(pair >> 32), int(pair & 0xFFFFFFFF)) for pair in pairs]
     return StageLayers(**{name: np.array([row[name] for row in rows], dtype=float)[which].reshape(pp.shape)
                           for name in StageLayers.__dataclass_fields__})
+
+
+def virtual_stage_layers(model: Model, stages: int) -> list[tuple[int, int]]:
+    """(layers, MoE layers) of each of `stages` virtual stages under the split `stage_layers` sums per rank."""
+    costs, dense_layers, head = _forward_costs(model)
+    return [(j - i, max(0, j - max(i, dense_layers))) for i, j in balanced_split(costs, stages, head)]
+
+
+def _forward_costs(model: Model) -> tuple:
+    """The split's costs: forward FLOPs per token of each layer in order, the dense layers before the MoE ones, and
+    the output layer's (on the last stage)."""
+    b = parameters(model)
+    costs = (2.0 * b.matmul_per_dense_layer,) * b.dense_layers + (2.0 * b.matmul_per_moe_layer,) * b.moe_layers
+    return costs, b.dense_layers, 2.0 * b.output_projection
 
 
 def _rank_layers(costs: tuple, dense_layers: int, head: float, p: int, v: int) -> dict:

@@ -13,12 +13,14 @@ activations and step time are models, shown with their ratio. Predicted:
 
 import numpy as np
 
+from mlsyslab.parallel.schedules import build, peak_held
 from mlsyslab.predict.assumptions import DEFAULT, Assumptions
 from mlsyslab.predict.collectives import ring_all_reduce_bytes_per_rank, ring_shard_bytes_per_rank
 from mlsyslab.predict.hardware import Hardware
 from mlsyslab.predict.layout import Layout
-from mlsyslab.predict.memory import first_stage_activation_bytes, model_state_bytes, offloaded_optimizer_bytes
-from mlsyslab.predict.pipeline import stage_layers
+from mlsyslab.predict.memory import (eager_chunk_activation_bytes, first_stage_activation_bytes, model_state_bytes,
+                                     offloaded_optimizer_bytes)
+from mlsyslab.predict.pipeline import stage_layers, virtual_stage_layers
 from mlsyslab.predict.training import predict_training
 from mlsyslab.specs.schema import DTYPE_BYTES, Model
 
@@ -132,9 +134,10 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
     if config.clip_grad_norm:  # the squared gradient norm's all-reduce over every rank (parallel/clipping.py): one fp32
         wire["gradient_norm"] = float(ring_all_reduce_bytes_per_rank(4, config.nproc))
     measured_step = float(np.median(result["step_s"][1:] or result["step_s"])) if result["step_s"] else None
+    schedule = build(config.schedule, config.pp, config.microbatches, config.interleave) if config.pp > 1 else None
+    held = saved_activation_bytes(spec, layout, prediction.stages, width, assumptions, schedule)
     report = {
-        "memory_bytes": {"activations": _pair(saved_activation_bytes(spec, layout, prediction.stages, width,
-                                                                     assumptions), result["activation_bytes"])},
+        "memory_bytes": {"activations": _pair(held, result["activation_bytes"])},
         "wire_bytes_per_step": {name: _pair(wire[name], result["wire_bytes_per_step"].get(name, 0.0)) for name in wire},
         "stage_layers": _pair(first_layers, result["stage_layers"]),
         "bubble": _pair(float(np.asarray(prediction.bubble_fraction).reshape(-1)[0]) if config.pp > 1 else None,
@@ -148,12 +151,20 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
 
 
 def saved_activation_bytes(spec: Model, layout: Layout, stages, width: float,
-                           assumptions: Assumptions = DEFAULT) -> float:
-    """What rank 0 holds for backward at once: predict.memory's count of what nn/ saves (its eager accounting) for
-    the layers the first stage holds, the embedding and, without PP, the head and the loss, at the run's `width`
-    bytes an activation, times the microbatches the schedule keeps in flight."""
+                           assumptions: Assumptions = DEFAULT, schedule=None) -> float:
+    """What rank 0 holds for backward at once: predict.memory's count of what nn/ saves (its eager accounting) at the
+    run's `width` bytes an activation — for the layers the first stage holds, the embedding and, without PP, the head
+    and the loss, times the microbatches the schedule keeps in flight; under PP (`schedule`: a
+    `parallel.schedules.Schedule`) each of rank 0's chunks weighed by its own layers through rank 0's order, since
+    the cost-balanced split can leave an interleaved rank's chunks unequal where the closed form takes them as equal."""
     eager = assumptions.override({"eager_activations": True})
-    return float(np.asarray(first_stage_activation_bytes(spec, layout, stages, width, eager)).reshape(-1)[0])
+    if schedule is None:
+        return float(np.asarray(first_stage_activation_bytes(spec, layout, stages, width, eager)).reshape(-1)[0])
+    p, v = schedule.stages, schedule.chunks
+    split = virtual_stage_layers(spec, p * v)
+    chunks = [float(np.asarray(eager_chunk_activation_bytes(spec, layout, width, *split[c * p], c == 0, False)
+                               ).reshape(-1)[0]) for c in range(v)]
+    return float(peak_held(schedule.actions[0], chunks))
 
 
 def vocab_parallel_bytes(config, spec: Model, head: bool = True) -> float:
