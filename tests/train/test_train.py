@@ -68,7 +68,7 @@ def mlsys(*args, **kwargs):
     (["--offload"], "offload"),
     (["--nproc", "16", "--global-batch", "8"], "nproc"),
     (["--resume"], "resume"),
-    (["--tp", "3"], "layout"),  # dp·pp·cp·tp must equal nproc
+    (["--tp", "3"], "nproc"),  # dp, not given, takes the ranks TP leaves: none (it named "layout" dp1·tp3=3)
     (["--tp", "2", "--nproc", "4", "--dp", "1"], "layout"),
     (["--pp", "2", "--global-batch", "1"], "microbatches"),  # fewer sequences than stages
     (["--ep", "2"], "ep"),  # a dense model has no experts to split

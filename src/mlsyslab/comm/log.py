@@ -63,7 +63,8 @@ def traced(log: CommLog | None, name: str, tensor_bytes: int, world_size: int, c
     """
     if log is not None:
         log.calls[name] += 1
-        log.bytes_sent[name] += int(_RING_FACTOR[name] * (world_size - 1) / world_size * tensor_bytes)
+        # a rank's share of the ring's traffic, fractional where n does not divide M (as predict's): not rounded per call
+        log.bytes_sent[name] += _RING_FACTOR[name] * (world_size - 1) / world_size * tensor_bytes
     return call(*args, **kwargs)
 
 

@@ -88,7 +88,8 @@ class MeshLayout:
             if divides % value:
                 raise InvalidValue(name, value, f"a divisor of the {divides} {what}")
         if microbatches < self.pp:
-            raise InvalidValue("microbatches", microbatches, f">= pp={self.pp} to fill the pipeline")
+            raise InvalidValue("microbatches", microbatches, f">= pp={self.pp} to fill the pipeline; a step's "
+                               "microbatches are the sequences per data-parallel rank over the micro-batch")
 
 
 @dataclass(frozen=True)

@@ -148,6 +148,10 @@ class TrainConfig:
             raise InvalidValue("interleave", self.interleave, "1 unless --schedule interleaved with --pp > 1")
         if self.dp is not None and self.dp < 1:
             raise InvalidValue("dp", self.dp, "an integer >= 1")
+        model_ranks = self.tp * self.pp * self.cp
+        if self.on_mesh and self.dp is None and self.nproc % model_ranks:
+            raise InvalidValue("nproc", self.nproc, f"a multiple of tp·pp·cp = {model_ranks}; without --dp, data "
+                               "parallelism takes the rest")
         if self.on_mesh:
             self._validate_mesh()
         elif self.dp is not None and self.dp != self.nproc:
