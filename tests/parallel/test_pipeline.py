@@ -58,17 +58,21 @@ def test_split_balances_predicted_cost_with_the_output_layer(stages):
 ], ids=["tied, large vocabulary", "untied", "MoE after 2 dense layers"])
 def test_predict_splits_the_stages_as_the_pipeline_does(config):
     """predict.pipeline.stage_layers, from the architecture alone, gives each rank the layers `split` gives it from
-    the built model's weights (virtual stage i on rank i mod p), the experts' layers among them too."""
-    from mlsyslab.predict.pipeline import stage_layers
+    the built model's weights (virtual stage i on rank i mod p), the experts' layers among them too; and
+    virtual_stage_costs each virtual stage's forward FLOPs per token as the built layers count them."""
+    from mlsyslab.predict.pipeline import stage_layers, virtual_stage_costs
 
     model, spec = Llama(config), config.to_spec("probe", 1, "test")
     for p, v in ((2, 1), (3, 1), (4, 1), (2, 2), (3, 3)):
         if p * v > config.layers:
             continue
-        held, moe_held = [0] * p, [0] * p
+        held, moe_held, costs = [0] * p, [0] * p, []
         for stage, (first, last) in enumerate(split(model, p * v)):
             held[stage % p] += last - first
             moe_held[stage % p] += max(0, last - max(first, config.dense_layers)) if config.experts else 0
+            costs.append(sum(forward_flops_per_token(layer) for layer in model.layers[first:last])
+                         + (forward_flops_per_token(model.lm_head) if stage == p * v - 1 else 0))
+        assert virtual_stage_costs(spec, p * v) == pytest.approx(costs), (p, v)
         layout = Layout.of(pp=p, schedule=2 if v > 1 else 1, interleave=v, global_batch=p, seq=64)
         predicted = stage_layers(spec, layout)
         assert (float(predicted.first), float(predicted.last)) == (held[0], held[-1]), (p, v, held)
@@ -81,6 +85,13 @@ def test_activations_in_flight():
     assert timeline(build("1f1b", 4, 8)).peak_in_flight == [4, 3, 2, 1]
     interleaved = timeline(build("interleaved", 4, 8, 2)).peak_in_flight[0]  # in chunks of 1/v stage
     assert interleaved / 2 == pytest.approx(4 * (1 + 3 / (4 * 2)))  # p·(1 + (p−1)/(p·v)) (Korthikanti et al.)
+
+
+def test_a_split_of_unequal_stages_simulates_a_larger_bubble():
+    """GPipe, 2 stages, 2 microbatches, the second stage 3x the first's work: forwards 0.5 and 1.5, backwards twice
+    that; the second stage is busy 9 of the 10.5 units, the first 3: 9 idle of 21, against 1/3 for equal stages."""
+    assert timeline(build("gpipe", 2, 2), stage_costs=[1, 3]).bubble == pytest.approx(9 / 21)
+    assert timeline(build("gpipe", 2, 2), stage_costs=[2, 2]).bubble == pytest.approx(1 / 3)
 
 
 @pytest.mark.parametrize("name, p, v", [("gpipe", 3, 1), ("1f1b", 4, 1), ("interleaved", 2, 3), ("interleaved", 4, 2)])

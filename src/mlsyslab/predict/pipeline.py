@@ -106,6 +106,13 @@ def virtual_stage_layers(model: Model, stages: int) -> list[tuple[int, int]]:
     return [(j - i, max(0, j - max(i, dense_layers))) for i, j in balanced_split(costs, stages, head)]
 
 
+def virtual_stage_costs(model: Model, stages: int) -> list[float]:
+    """Forward FLOPs per token of each of `stages` virtual stages under that split, the output layer's on the last."""
+    costs, _, head = _forward_costs(model)
+    bounds = balanced_split(costs, stages, head)
+    return [sum(costs[i:j]) + (head if stage == stages - 1 else 0.0) for stage, (i, j) in enumerate(bounds)]
+
+
 def _forward_costs(model: Model) -> tuple:
     """The split's costs: forward FLOPs per token of each layer in order, the dense layers before the MoE ones, and
     the output layer's (on the last stage)."""

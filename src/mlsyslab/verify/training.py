@@ -13,14 +13,14 @@ activations and step time are models, shown with their ratio. Predicted:
 
 import numpy as np
 
-from mlsyslab.parallel.schedules import build, peak_held
+from mlsyslab.parallel.schedules import build, peak_held, timeline
 from mlsyslab.predict.assumptions import DEFAULT, Assumptions
 from mlsyslab.predict.collectives import ring_all_reduce_bytes_per_rank, ring_shard_bytes_per_rank
 from mlsyslab.predict.hardware import Hardware
 from mlsyslab.predict.layout import Layout
 from mlsyslab.predict.memory import (eager_chunk_activation_bytes, first_stage_activation_bytes, model_state_bytes,
                                      offloaded_optimizer_bytes)
-from mlsyslab.predict.pipeline import stage_layers, virtual_stage_layers
+from mlsyslab.predict.pipeline import stage_layers, virtual_stage_costs, virtual_stage_layers
 from mlsyslab.predict.training import predict_training
 from mlsyslab.specs.schema import DTYPE_BYTES, Model
 
@@ -90,7 +90,8 @@ def _ratio(measured, predicted):
 def compare_mesh_training(config, result: dict, hardware: Hardware | None = None,
                           assumptions: Assumptions = DEFAULT) -> dict:
     """A --tp/--pp/--cp/--ep run beside predict.training on the same layout: bytes each dimension sends per
-    step on rank 0, the pipeline bubble (analytic vs executed timeline), and the step time when
+    step on rank 0, the pipeline bubble (analytic, and simulated on the split's stage costs, vs the executed
+    timeline), and the step time when
     `hardware` is given. Bytes and bubble do not depend on the hardware: without one they are taken
     from a prediction at the run's dtype on a catalog system (DGX-H100), whose times are not shown.
     Rank 0's bytes are predicted for the first stage's rank (predict.training's stage="first"), its activations by
@@ -142,6 +143,10 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
         "stage_layers": _pair(first_layers, result["stage_layers"]),
         "bubble": _pair(float(np.asarray(prediction.bubble_fraction).reshape(-1)[0]) if config.pp > 1 else None,
                         result.get("bubble")),
+        # the same schedule simulated with each virtual stage's forward FLOPs: the split can leave them unequal (the
+        # output layer is one piece), which the analytic bubble, of equal stages, does not see
+        "bubble_on_split": _pair(timeline(schedule, stage_costs=virtual_stage_costs(spec, config.pp * config.interleave)
+                                          ).bubble if schedule is not None else None, result.get("bubble")),
         "step_s": _pair(None, measured_step),
     }
     if hardware is not None:
