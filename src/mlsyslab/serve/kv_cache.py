@@ -34,7 +34,8 @@ class KVCache:
         self.block_bytes = block_bytes(config, block_size, dtype)
         self.num_blocks = int(budget_bytes // self.block_bytes)
         if self.num_blocks < 1:
-            raise InvalidValue("kv_cache_bytes", budget_bytes, f">= {self.block_bytes} (one block of {block_size} tokens)")
+            raise InvalidValue("kv_cache_bytes", budget_bytes, f">= {self.block_bytes}, one block of {block_size} "
+                               f"tokens (mlsys serve --kv-cache-gb {self.block_bytes / 1e9:.3g} or more)")
         shape = (config.layers, config.kv_heads, self.num_blocks, block_size, config.head_dim)
         # Zeros, not garbage: masked padding reads unwritten slots, and 0 · NaN would poison attention.
         # Faulted in now, not on first touch: a lazily zeroed pool (calloc) took its page faults during
