@@ -228,8 +228,9 @@ def training_memory(model: Model, layout: Layout, hbm_bytes: float, optimizer: s
     offloaded = offloaded + offloaded_optimizer_bytes(experts, expert_dp, layout.zero, optimizer)
     host = np.where(layout.offload, offloaded, 0.0)
 
-    activations = first_stage_activation_bytes(model, layout, stages, DTYPE_BYTES[dtype], assumptions)
-    working_layer = _activations(model, layout, assumptions)[2]
+    dense_stored, moe_stored, working_layer = _activations(model, layout, assumptions)
+    activations = first_stage_activation_bytes(model, layout, stages, DTYPE_BYTES[dtype], assumptions,
+                                               (dense_stored, moe_stored))
     # Buffers: one layer's full activations live during its recompute + backward, fp32 logits for
     # the loss on the last stage, ZeRO-3's two gathered layers (current + prefetch).
     logits = 4.0 * layout.seq / layout.cp * layout.micro_batch * model.vocab / layout.tp
@@ -241,18 +242,19 @@ def training_memory(model: Model, layout: Layout, hbm_bytes: float, optimizer: s
 
 
 def first_stage_activation_bytes(model: Model, layout: Layout, stages: StageLayers, element_bytes: float,
-                                 assumptions: Assumptions = DEFAULT):
+                                 assumptions: Assumptions = DEFAULT, korthikanti: tuple | None = None):
     """What the first pipeline stage's rank holds for backward at its peak: its layers' activations per microbatch
-    times the microbatches the schedule keeps in flight. Korthikanti's 16-bit count (whatever `element_bytes`), or
-    with `assumptions.eager_activations` what nn/ saves at `element_bytes` an activation, with the embedding's
-    tensors and, without PP, the head's and the loss's."""
+    times the microbatches the schedule keeps in flight. Korthikanti's 16-bit count (whatever `element_bytes`; its
+    dense and MoE bytes per layer in `korthikanti` when already computed), or with `assumptions.eager_activations`
+    what nn/ saves at `element_bytes` an activation, with the embedding's tensors and, without PP, the head's and
+    the loss's."""
     if assumptions.eager_activations:  # the rank's chunks, taken as equal, and the rotary tables of each
         chunks = np.where(layout.schedule == 2, layout.interleave, 1)
         held = eager_chunk_activation_bytes(model, layout, element_bytes, stages.first, stages.first_moe, True,
                                             layout.pp == 1) \
             + (chunks - 1) * eager_chunk_activation_bytes(model, layout, element_bytes, 0, 0, False, False)
     else:
-        dense, moe, _ = _activations(model, layout, assumptions)
+        dense, moe = korthikanti if korthikanti is not None else _activations(model, layout, assumptions)[:2]
         held = (stages.first - stages.first_moe) * dense + stages.first_moe * moe
     return held * microbatches_in_flight(layout)
 

@@ -102,15 +102,20 @@ def stage_layers(model: Model, layout: Layout) -> StageLayers:
 
 def virtual_stage_layers(model: Model, stages: int) -> list[tuple[int, int]]:
     """(layers, MoE layers) of each of `stages` virtual stages under the split `stage_layers` sums per rank."""
-    costs, dense_layers, head = _forward_costs(model)
-    return [(j - i, max(0, j - max(i, dense_layers))) for i, j in balanced_split(costs, stages, head)]
+    return [(layers, moe) for layers, moe, _ in _virtual_stages(*_forward_costs(model), stages)]
 
 
 def virtual_stage_costs(model: Model, stages: int) -> list[float]:
     """Forward FLOPs per token of each of `stages` virtual stages under that split, the output layer's on the last."""
-    costs, _, head = _forward_costs(model)
+    return [flops for _, _, flops in _virtual_stages(*_forward_costs(model), stages)]
+
+
+def _virtual_stages(costs: tuple, dense_layers: int, head: float, stages: int) -> list[tuple[int, int, float]]:
+    """(layers, MoE layers, forward FLOPs per token with the output layer's on the last) of each virtual stage of
+    `balanced_split`."""
     bounds = balanced_split(costs, stages, head)
-    return [sum(costs[i:j]) + (head if stage == stages - 1 else 0.0) for stage, (i, j) in enumerate(bounds)]
+    return [(j - i, max(0, j - max(i, dense_layers)), sum(costs[i:j]) + (head if stage == stages - 1 else 0.0))
+            for stage, (i, j) in enumerate(bounds)]
 
 
 def _forward_costs(model: Model) -> tuple:
@@ -130,10 +135,10 @@ def _rank_layers(costs: tuple, dense_layers: int, head: float, p: int, v: int) -
         return dict(first=share, first_moe=moe_share, last=share, last_moe=moe_share,
                     busiest_other=share if p > 1 else 0.0, busiest_other_moe=moe_share if p > 1 else 0.0)
     held, moe_held, flops = np.zeros(p), np.zeros(p), np.zeros(p)
-    for stage, (i, j) in enumerate(balanced_split(costs, p * v, head)):
-        held[stage % p] += j - i
-        moe_held[stage % p] += max(0, j - max(i, dense_layers))
-        flops[stage % p] += sum(costs[i:j])
+    for stage, (stage_layers, moe_layers, stage_flops) in enumerate(_virtual_stages(costs, dense_layers, head, p * v)):
+        held[stage % p] += stage_layers
+        moe_held[stage % p] += moe_layers
+        flops[stage % p] += stage_flops  # the output layer's on the last rank, which the busiest other leaves out
     busiest = int(np.argmax(flops[:-1])) if p > 1 else None
     return dict(first=held[0], first_moe=moe_held[0], last=held[-1], last_moe=moe_held[-1],
                 busiest_other=0.0 if busiest is None else held[busiest],
