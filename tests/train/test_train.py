@@ -2,6 +2,8 @@
 from its last checkpoint and reproduces the uninterrupted run's losses bitwise; the final report
 holds model-state and wire bytes equal to predict's."""
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -11,12 +13,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
+from mlsyslab.cli.main import main
 from mlsyslab.errors import InvalidValue
 from mlsyslab.train.trainer import TrainConfig
+from mlsyslab.verify.training import compare_mesh_training
 from tests.cli.test_cli import run
 
 TINY = """name: llama-tiny
@@ -168,7 +173,7 @@ def test_cosine_schedule_with_warmup_is_the_formula():
     assert TrainConfig(model={}, steps=4, lr=1e-3, warmup_steps=4).lr_at(3) == 1e-3  # constant once warm
 
 
-SCHEDULE = ("--steps", "4", "--lr", "1e-3", "--lr-schedule", "cosine", "--warmup-steps", "2")
+SCHEDULE = ("--steps", "4", "--lr", "3e-4", "--lr-schedule", "cosine", "--warmup-steps", "2")  # the default peak
 
 
 @pytest.fixture(scope="module")
@@ -177,12 +182,11 @@ def scheduled(tiny):
     return _train_json(tiny, "--nproc", "1", *SCHEDULE)["result"]
 
 
-def test_the_schedule_sets_each_steps_learning_rate(tiny, scheduled):
-    """Each step's learning rate is the schedule's, on the optimizer: the losses follow a constant rate's for the
-    first step and leave it from the second (the first update was at half the rate)."""
-    constant = _train_json(tiny, "--nproc", "1", "--steps", "4", "--lr", "1e-3")["result"]
-    assert scheduled["lrs"] == pytest.approx([5e-4, 1e-3, 1e-3, 1e-4]) and constant["lrs"] == [1e-3] * 4
-    assert scheduled["losses"][0] == constant["losses"][0] and scheduled["losses"][1] != constant["losses"][1]
+def test_the_schedule_sets_each_steps_learning_rate(scheduled, single_process_losses):
+    """Each step's learning rate is the schedule's, on the optimizer: the losses follow the default constant rate's
+    (the peak here) for the first step and leave it from the second (the first update was at half the rate)."""
+    assert scheduled["lrs"] == pytest.approx([1.5e-4, 3e-4, 3e-4, 3e-5])
+    assert scheduled["losses"][0] == single_process_losses[0] and scheduled["losses"][1] != single_process_losses[1]
 
 
 @pytest.mark.slow  # CI time: the data-parallel trainer's path is the one-process run's
@@ -242,31 +246,39 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _train_json(tiny, *args):
-    result = mlsys("train", "--model-spec", str(tiny), "--nproc", "2", "--global-batch", "4", "--seq", "32",
-                   "--json", *args)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout)
+    """`mlsys train --json` run in this process: torchrun and its ranks are processes of their own as ever, but the
+    command's own imports (torch's among them) are already here, ~2 s a run on 2 cores. Its stderr and torchrun's
+    go to pytest's capture, shown when a test fails."""
+    report = io.StringIO()
+    argv = ["mlsys", "train", "--model-spec", str(tiny), "--nproc", "2", "--global-batch", "4", "--seq", "32", "--json",
+            *args]
+    with mock.patch.object(sys, "argv", argv), contextlib.redirect_stdout(report):
+        try:
+            main()
+        except SystemExit as done:
+            assert not done.code, f"mlsys train exited {done.code}: its stderr is in the captured output"
+    return json.loads(report.getvalue())
 
 
-def test_sigkill_then_resume_reproduces_the_losses_bitwise(tiny, tmp_path):
+def test_sigkill_then_resume_reproduces_the_losses_bitwise(tiny, tmp_path, capfd, monkeypatch):
     steps = "8"
     reference = _train_json(tiny, "--strategy", "zero2", "--steps", steps)["result"]["losses"]
     directory = tmp_path / "checkpoints"
     command = [sys.executable, "-m", "mlsyslab", "train", "--model-spec", str(tiny), "--nproc", "2", "--global-batch",
                "4", "--seq", "32", "--strategy", "zero2", "--steps", steps, "--checkpoint-dir", str(directory),
                "--checkpoint-every", "2", "--json"]
-    run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                           env={**os.environ, "TMPDIR": str(tmp_path)})  # its work directory outlives SIGKILL
+    killed = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                              env={**os.environ, "TMPDIR": str(tmp_path)})  # its work directory outlives SIGKILL
     deadline = time.time() + 240
-    while time.time() < deadline and not (directory / "step_00000004").is_dir() and run.poll() is None:
+    while time.time() < deadline and not (directory / "step_00000004").is_dir() and killed.poll() is None:
         time.sleep(0.05)
-    for pid in [run.pid, *_descendants(run.pid)]:  # the launcher and every rank, mid-training
+    for pid in [killed.pid, *_descendants(killed.pid)]:  # the launcher and every rank, mid-training
         os.kill(pid, signal.SIGKILL)
-    run.wait()
+    killed.wait()
     completed = sorted(p.name for p in directory.glob("step_*") if not p.name.endswith(".partial"))
     assert completed and completed[-1] != "step_00000008", completed  # really killed before the end
-    other = mlsys(*command[3:-1], "--strategy", "ddp", "--resume")  # the checkpoint keeps ZeRO-2's shards
-    assert other.returncode == 2 and "resume=\"strategy='ddp'\"" in other.stderr and "'zero2'" in other.stderr, other.stderr
+    code, _, err = run(capfd, monkeypatch, *command[3:-1], "--strategy", "ddp", "--resume")  # it keeps ZeRO-2's shards
+    assert code == 2 and "resume=\"strategy='ddp'\"" in err and "'zero2'" in err, err
     resumed = _train_json(tiny, "--strategy", "zero2", "--steps", steps, "--checkpoint-dir", str(directory), "--resume")
     first = resumed["result"]["first_step"]
     assert 0 < first < 8
@@ -404,7 +416,7 @@ def test_sequence_parallel_through_the_pipeline(tiny, single_process_losses):
     """TP 2 × PP 2 with sequence parallelism: activations cross the pipeline as [b, s/2, h] and rope still sees
     every position; the losses are one process's, and rank 0's TP bytes (its stage's layers, the entries' regathers
     in backward, its norms' summed gradients) and pipeline bytes are predict's; it holds the activations predict
-    says (each entry keeps only its shard of the gathered input), less than without SP."""
+    says (each entry keeps only its shard of the gathered input), less than predict says without SP."""
     layout = ("--nproc", "4", "--tp", "2", "--pp", "2", "--dp", "1", "--microbatches", "2", "--steps", "3")
     report = _train_json(tiny, *layout, "--sequence-parallel")
     assert report["result"]["losses"] == pytest.approx(single_process_losses, rel=1e-5)
@@ -415,8 +427,8 @@ def test_sequence_parallel_through_the_pipeline(tiny, single_process_losses):
         assert pair["measured"] == pytest.approx(pair["predicted"]), (name, pair)
     held = report["predicted_vs_measured"]["memory_bytes"]["activations"]
     assert held["measured"] == held["predicted"], held
-    without = _train_json(tiny, *layout)["predicted_vs_measured"]["memory_bytes"]["activations"]
-    assert held["measured"] < 0.85 * without["measured"]
+    without = TrainConfig(**{**report["config"], "sequence_parallel": False})  # predicted as measured in the 2-rank runs
+    assert held["measured"] < 0.85 * compare_mesh_training(without, report["result"])["memory_bytes"]["activations"]["predicted"]
 
 
 def test_clipping_under_pipedream_is_refused_before_launch(untied, capsys, monkeypatch):
@@ -459,13 +471,12 @@ def untied(tmp_path_factory) -> Path:
 
 
 def test_pipedream_updates_after_every_backward_and_resumes_bitwise(untied, tmp_path):
-    """--schedule pipedream: at lr 0 (no update moves a weight) its stashed-weights path gives 1F1B's losses; with
-    updates the first step's loss already moves (later microbatches run on weights updated within the step, which
-    a flushed schedule never does); its pipeline bytes are predict's; a run resumed from step 2 of 4 gives the
-    uninterrupted run's last two losses, bitwise (the stashes are empty at a step's end)."""
+    """--schedule pipedream: with updates the first step's loss already moves from the same run's at lr 0 (later
+    microbatches run on weights updated within the step, which a flushed schedule never does); its pipeline bytes are
+    predict's; a run resumed from step 2 of 4 gives the uninterrupted run's last two losses, bitwise (the stashes are
+    empty at a step's end). The stashed weights against a one-process replay: tests/parallel/test_pipeline.py."""
     pipeline = ("--pp", "2", "--microbatches", "4", "--steps", "4")
     frozen = _train_json(untied, *pipeline, "--schedule", "pipedream", "--lr", "0")["result"]["losses"]
-    assert frozen == pytest.approx(_train_json(untied, *pipeline, "--lr", "0")["result"]["losses"], rel=1e-6)
     directory = tmp_path / "checkpoints"
     args = (*pipeline, "--schedule", "pipedream", "--lr", "1e-2", "--checkpoint-dir", str(directory),
             "--checkpoint-every", "2")
@@ -582,8 +593,9 @@ def test_zero_with_pipeline_parallelism(tiny, single_process_losses, strategy):
     assert wire["data_parallel"]["measured"] == pytest.approx(wire["data_parallel"]["predicted"], rel=1e-4)
 
 
-@pytest.mark.parametrize("strategy, other", [  # CI time: ZeRO-1, ZeRO-2 with CP or SP and ZeRO-3 with TP alone run
-    pytest.param("zero1", ("--tp",), marks=pytest.mark.slow), ("zero2", ("--tp",)),  # with -m slow
+@pytest.mark.parametrize("strategy, other", [  # CI time: ZeRO-1, ZeRO-2 and ZeRO-3 with TP alone or CP run with -m slow
+    # (ZeRO-2's reduce-scatter a microbatch: the bf16 pipeline's run below; ZeRO-1 and -2 beside TP: tests/parallel)
+    pytest.param("zero1", ("--tp",), marks=pytest.mark.slow), pytest.param("zero2", ("--tp",), marks=pytest.mark.slow),
     pytest.param("zero2", ("--tp", "--sequence-parallel"), marks=pytest.mark.slow),
     pytest.param("zero3", ("--tp",), marks=pytest.mark.slow), ("zero3", ("--tp", "--sequence-parallel")),
     pytest.param("zero1", ("--cp",), marks=pytest.mark.slow), pytest.param("zero2", ("--cp",), marks=pytest.mark.slow),
