@@ -21,6 +21,28 @@ class InvalidValue(MlsysError):
         return type(self), (self.field, self.value, self.valid, self.reason)
 
 
+class InvalidValues(InvalidValue):
+    """Several rules broken at once, all named in one refusal (`a=1 is invalid (...); b=2 is invalid (...)`) so a
+    layout is fixed in one go; `field` and the rest are the first one's."""
+
+    def __init__(self, errors: list[InvalidValue]):
+        first = errors[0]
+        super().__init__(first.field, first.value, first.valid, first.reason)
+        self.errors = errors
+        self.args = ("; ".join(str(error) for error in errors),)
+
+    def __reduce__(self):
+        return type(self), (self.errors,)
+
+
+def raise_all(errors: list[InvalidValue]) -> None:
+    """Raise nothing, the one error, or all of them as InvalidValues."""
+    if len(errors) > 1:
+        raise InvalidValues(errors)
+    if errors:
+        raise errors[0]
+
+
 class UnknownName(MlsysError):
     """A catalog lookup found nothing; the message lists close matches."""
 

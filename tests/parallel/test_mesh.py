@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mlsyslab.comm.launch import spawn
-from mlsyslab.errors import InvalidValue
+from mlsyslab.errors import InvalidValue, InvalidValues
 from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, MixtureOfExperts, load_balancing_loss
 from mlsyslab.parallel.clipping import clip_gradients, piece_weights
@@ -235,6 +235,22 @@ def test_impossible_layouts_are_rejected(layout, field):
     world = layout.dp * layout.pp * layout.cp * layout.tp if field != "layout" else 8
     with pytest.raises(InvalidValue, match=field):
         layout.validate(CONFIG, world, SEQ, MICROBATCHES)
+
+
+def test_every_broken_rule_of_a_layout_is_named_at_once():
+    """TP, PP, CP and the microbatches all wrong: one refusal names each (the first alone was named, so a layout took
+    a run per rule to fix); the field is the first one's; it pickles as the engine process sends errors."""
+    import pickle
+
+    layout = MeshLayout(tp=8, pp=8, cp=16)
+    with pytest.raises(InvalidValues) as error:
+        layout.validate(CONFIG, 8 * 8 * 16, SEQ, 4)
+    assert [e.field for e in error.value.errors] == ["tp", "pp", "cp", "microbatches"] and error.value.field == "tp"
+    assert str(error.value).count("is invalid") == 4 and "\n" not in str(error.value)
+    assert str(pickle.loads(pickle.dumps(error.value))) == str(error.value)
+    with pytest.raises(InvalidValue) as error:  # one rule: a plain InvalidValue, as before
+        MeshLayout(tp=8).validate(CONFIG, 8, SEQ, MICROBATCHES)
+    assert type(error.value) is InvalidValue
 
 
 def test_an_odd_sequence_is_valid_without_context_parallelism():

@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from mlsyslab.comm.launch import Rank
 from mlsyslab.comm.log import CommLog, nbytes, traced
 from mlsyslab.comm.p2p import Wire
-from mlsyslab.errors import InvalidValue
+from mlsyslab.errors import InvalidValue, raise_all
 from mlsyslab.measure.memory import ActivationMeter
 from mlsyslab.nn.llama import Llama
 from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, MixtureOfExperts, load_balancing_loss
@@ -66,11 +66,12 @@ class MeshLayout:
     ep: int = 1  # inside dp: ep consecutive DP ranks share the experts
 
     def validate(self, model_config, world_size: int, seq: int, microbatches: int) -> None:
-        """Raise InvalidValue for the first rule the layout breaks."""
+        """Raise InvalidValue naming every rule the layout breaks (InvalidValues when more than one)."""
         product = self.dp * self.pp * self.cp * self.tp
         if product != world_size:
             raise InvalidValue("layout", f"dp{self.dp}·pp{self.pp}·cp{self.cp}·tp{self.tp}={product}",
                                f"a product equal to the {world_size} ranks")
+        broken = []
         for name, value, divides, what in (("tp", self.tp, model_config.heads, "attention heads"),
                                            ("tp", self.tp, model_config.kv_heads, "KV heads"),
                                            ("tp", self.tp, model_config.vocab, "vocabulary rows"),
@@ -78,18 +79,20 @@ class MeshLayout:
                                            ("tp", self.tp, model_config.expert_hidden, "expert hidden units"),
                                            ("pp", self.pp, model_config.layers, "layers"),
                                            ("cp", 2 * self.cp if self.cp > 1 else 1, seq, "tokens of a sequence")):
-            if divides % value:
+            if divides % value and name not in {error.field for error in broken}:  # a field's first rule
                 rule = "2·cp (zig-zag: 2·cp chunks) dividing" if name == "cp" else "a divisor of"
-                raise InvalidValue(name, getattr(self, name), f"{rule} the {divides} {what}")
+                broken.append(InvalidValue(name, getattr(self, name), f"{rule} the {divides} {what}"))
         if self.ep > 1 and not model_config.experts:
-            raise InvalidValue("ep", self.ep, "1 for a dense model (no expert layers to split)")
-        for name, value, divides, what in (("ep", self.ep, self.dp, "data-parallel ranks (EP splits DP)"),
-                                           ("ep", self.ep, model_config.experts or 1, "experts")):
-            if divides % value:
-                raise InvalidValue(name, value, f"a divisor of the {divides} {what}")
+            broken.append(InvalidValue("ep", self.ep, "1 for a dense model (no expert layers to split)"))
+        else:
+            for name, value, divides, what in (("ep", self.ep, self.dp, "data-parallel ranks (EP splits DP)"),
+                                               ("ep", self.ep, model_config.experts or 1, "experts")):
+                if divides % value and name not in {error.field for error in broken}:
+                    broken.append(InvalidValue(name, value, f"a divisor of the {divides} {what}"))
         if microbatches < self.pp:
-            raise InvalidValue("microbatches", microbatches, f">= pp={self.pp} to fill the pipeline; a step's "
-                               "microbatches are the sequences per data-parallel rank over the micro-batch")
+            broken.append(InvalidValue("microbatches", microbatches, f">= pp={self.pp} to fill the pipeline; a step's "
+                                       "microbatches are the sequences per data-parallel rank over the micro-batch"))
+        raise_all(broken)
 
 
 @dataclass(frozen=True)
