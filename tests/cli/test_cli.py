@@ -121,6 +121,14 @@ def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch, args, field):
     assert len(lines) == 1 and lines[0].startswith("error:") and field in lines[0], err
 
 
+def test_a_layout_breaking_several_rules_is_refused_naming_each(capsys, monkeypatch):
+    """TP not dividing the heads and PP not dividing the layers, in one line (the first alone was named)."""
+    code, _, err = run(capsys, monkeypatch, "predict", "train", "--model", "smollm2-135m", "--hardware", "h100",
+                       "--gpus", "16", "--tp", "4", "--pp", "4")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "tp=4 is invalid" in err and "9 attention heads" in err and "pp=4 is invalid" in err and "30 layers" in err
+
+
 def test_explain_lists_every_assumption(capsys, monkeypatch):
     code, out, _ = run(capsys, monkeypatch, "predict", "train", "--model", "gpt2", "--hardware", "a100", "--explain")
     assert code == 0

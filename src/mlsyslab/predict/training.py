@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mlsyslab.errors import InvalidValue
+from mlsyslab.errors import InvalidValue, raise_all
 from mlsyslab.predict import collectives as coll
 from mlsyslab.predict.architecture import (attention_dims, forward_flops_per_token, parameters,
                                             training_flops_per_token)
@@ -258,17 +258,14 @@ REASONS = (
 
 
 def validate_layout(model: Model, layout: Layout) -> None:
-    """Raise InvalidValue naming the field and what is valid for the first rule a layout breaks.
+    """Raise InvalidValue naming the field and what is valid for each rule a layout's first row breaks (all of them,
+    as InvalidValues, when it breaks several).
 
     Memory is not a rule here: a layout that does not fit is a prediction (infeasible), not bad input.
     """
-    _, code = _feasibility(model, layout, None)
-    index = int(code.reshape(-1)[0])
-    if not index:
-        return
     row = layout.row(0)
     experts = model.moe.experts if model.moe else 1
-    field, valid = {
+    named = {
         1: ("tp", f"a divisor of the {model.heads} attention heads of {model.name}"),
         2: ("pp", f"PP x interleave dividing the {model.layers} layers of {model.name}"),
         3: ("ep", f"1, since {model.name} has no experts"),
@@ -276,15 +273,21 @@ def validate_layout(model: Model, layout: Layout) -> None:
         5: ("global_batch", f"a multiple of DP x micro batch = {row['dp'] * row['micro_batch']}"),
         6: ("global_batch", f"microbatches per pipeline divisible by PP={row['pp']} for the interleaved schedule"),
         7: ("cp", f"a CP with seq={row['seq']} divisible by 2 x CP"),
-    }[index]
-    raise InvalidValue(field, row[field], valid, reason=REASONS[index])
+    }
+    errors, fields = [], set()
+    for index, broken in enumerate(_broken_rules(model, layout, None), start=1):
+        field, valid = named[index]
+        if bool(np.asarray(broken).reshape(-1)[0]) and field not in fields:  # a field's first rule
+            fields.add(field)
+            errors.append(InvalidValue(field, row[field], valid, reason=REASONS[index]))
+    raise_all(errors)
 
 
-def _feasibility(model: Model, layout: Layout, memory: TrainingMemory):
-    """(feasible, reason code) arrays: the first rule in REASONS each layout breaks, 0 if none."""
+def _broken_rules(model: Model, layout: Layout, memory: TrainingMemory | None) -> list:
+    """Whether each layout breaks each rule of REASONS (in its order, from 1; memory's last, only given `memory`)."""
     m = layout.microbatches
     experts = 1 if model.moe is None else model.moe.experts
-    broken = [
+    return [
         model.heads % layout.tp != 0,
         model.layers % (layout.pp * np.where(layout.schedule == 2, layout.interleave, 1)) != 0,
         (model.moe is None) & (layout.ep > 1),
@@ -292,8 +295,12 @@ def _feasibility(model: Model, layout: Layout, memory: TrainingMemory):
         (np.abs(m - np.round(m)) > 1e-9) | (m < 1),
         (layout.schedule == 2) & (np.round(m) % layout.pp != 0),
         (layout.cp > 1) & (layout.seq % (2 * layout.cp) != 0),  # zig-zag shards: 2·cp chunks (none without CP)
-        False if memory is None else ~memory.fits,
-    ]
+    ] + ([] if memory is None else [~memory.fits])
+
+
+def _feasibility(model: Model, layout: Layout, memory: TrainingMemory):
+    """(feasible, reason code) arrays: the first rule in REASONS each layout breaks, 0 if none."""
+    broken = _broken_rules(model, layout, memory)
     code = np.zeros(layout.dp.shape, dtype=np.int8)
     for index in range(len(broken), 0, -1):
         code = np.where(broken[index - 1], index, code)
