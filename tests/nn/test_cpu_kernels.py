@@ -1,5 +1,8 @@
 """The C++ serving kernels (nn/csrc) compute what the PyTorch path computes, and refuse bad input."""
 
+import time
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -177,3 +180,26 @@ def test_streamed_linear_refuses_what_it_does_not_compute():
         ops.streamed_linear(torch.randn(2, 70).bfloat16(), tiles, 4)
     with pytest.raises(RuntimeError, match="residual: a contiguous tensor"):
         ops.streamed_linear(x, tiles, 4, torch.randn(2, 5).bfloat16())
+
+
+def _resident_bytes() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="Linux: resident memory from /proc")
+def test_a_pool_faulted_in_the_background_keeps_what_is_written_meanwhile():
+    """`in_background`: the tensor returns at once, zeroed and writable; the pages fault in from the kernels' own
+    thread without touching what the caller writes meanwhile, until all of it is resident; dropping one mid-way
+    stops and joins that thread first (no write after the unmapping)."""
+    cpu_kernels.huge_page_zeros((64 << 20,), torch.uint8, in_background=True)  # dropped at once, still populating
+    size = 256 << 20
+    before = _resident_bytes()
+    pool = cpu_kernels.huge_page_zeros((size,), torch.uint8, in_background=True)
+    marks = torch.tensor([1, 4097, size // 2 + 12345, size - 1])  # 4 pages of thousands: the rest is the thread's
+    pool[marks] = 7  # written while the thread populates
+    for _ in range(200):  # up to 20 s: all of it resident
+        if _resident_bytes() - before >= size:
+            break
+        time.sleep(0.1)
+    assert _resident_bytes() - before >= size
+    assert bool((pool[marks] == 7).all()) and int(pool.sum()) == 7 * len(marks)

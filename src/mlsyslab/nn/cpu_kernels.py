@@ -97,12 +97,13 @@ def load():
     return torch.ops.mlsyslab
 
 
-def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype, in_background: bool = False) -> torch.Tensor:
     """A zeroed CPU tensor on transparent huge pages where the kernels build (csrc/huge_pages.cpp; for buffers a
-    decode step streams or walks: the weights' tiles, the KV pool), else torch's own allocation."""
+    decode step streams or walks: the weights' tiles, the KV pool), else torch's own allocation. Its pages are
+    faulted in before it returns, or with `in_background` by a thread of the kernels' own while it is used."""
     if load() is None:
         return torch.zeros(shape, dtype=dtype)
-    return load().huge_page_zeros(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
+    return load().huge_page_zeros(math.prod(shape) * dtype.itemsize, in_background).view(dtype).view(shape)
 
 
 def serves(tensor: torch.Tensor) -> bool:

@@ -99,9 +99,10 @@ def pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> to
     """A zeroed K or V pool. On CPU on transparent huge pages (`nn.cpu_kernels.huge_page_zeros`): the decode
     kernel walks each sequence's blocks, scattered over the pool, and in 4 kB pages nearly every block is a TLB
     miss (bf16 batch 1 at ~190 tokens, alternating in one process: TPOT median 10.31 -> 9.87 ms, the 8-token
-    prompt's 9.91)."""
+    prompt's 9.91). Its pages fault in from a background thread while the engine starts and serves: on a VM a fresh
+    huge page can cost ~7 ms, and the default 1 GB pool took 3.5-4 s of `mlsys serve`'s start-up on the Zen 3 host."""
     if device.type == "cpu":
-        return cpu_kernels.huge_page_zeros(shape, dtype)
+        return cpu_kernels.huge_page_zeros(shape, dtype, in_background=True)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
