@@ -19,9 +19,10 @@ from contextlib import ExitStack
 from torch import nn
 
 from mlsyslab.comm.log import CommLog
+from mlsyslab.nn.llama import DecoderLayer
 from mlsyslab.parallel.clipping import global_norm, piece_weights
 from mlsyslab.parallel.mesh import MeshRanks, expert_parameters
-from mlsyslab.parallel.tensor import gathered_entries, split_parameters
+from mlsyslab.parallel.tensor import split_parameters
 from mlsyslab.parallel.zero import ZeroDataParallel
 
 
@@ -42,8 +43,13 @@ class MeshZero:
         groups = [(mesh.dcp, [p for p in held if id(p) not in experts], tied)]
         if experts:
             groups.append((mesh.edcp, [p for p in held if id(p) in experts], ()))
+        # ZeRO-3 gathers a decoder layer at a time, as the trainer's data-parallel path (and FSDP's per-block
+        # wrapping) does, not each linear apart: a tenth of the collectives, each larger, and what predict prices
+        # (two gathered layers; (layers + 2) gathers a pass). A layer also covers the sequence-parallel entries
+        # that multiply the gathered sequence by their children's weights without calling those children.
+        layers = [m for m in module.modules() if isinstance(m, DecoderLayer)]
         self.zeros = [ZeroDataParallel(module, rank, stage, optimizer_factory, mixed_precision, offload,
-                                       bucket_bytes, log, units=gathered_entries(module), alone=alone,
+                                       bucket_bytes, log, units=layers, alone=alone,
                                        parameters=parameters if experts else None, divisor=mesh.dcp.world_size)
                       for rank, parameters, alone in groups]
         if log is not None:

@@ -134,7 +134,8 @@ def _regathered_weight_grads(tp: TensorGroup, shard: torch.Tensor, grads) -> lis
 def _enter_linears(x, tp: TensorGroup, sequence_parallel: bool, *linears) -> tuple:
     """The column-parallel products of `linears` on x, entering the region once: f then each linear module (whose
     hooks, ZeRO-3's gathers among them, run), or under SP the all-gather that keeps only the shard for backward
-    (`_GatheredLinears`, on the weights as they are: ZeRO-3 gathers the entry as one unit, `gathered_entries`)."""
+    (`_GatheredLinears`, on the weights as they are: ZeRO-3 gathers the whole decoder layer as one unit, so the
+    linears' own hooks need not run: parallel/mesh_zero.py)."""
     if sequence_parallel:
         return _GatheredLinears.apply(x, tp, *(p for linear in linears for p in (linear.weight, linear.bias)))
     x = _Enter.apply(x, tp, False)
@@ -323,12 +324,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TensorGroup) -> torch.Tensor:
     """logits [..., V/t] of this rank's vocabulary slice; targets [...] global ids."""
     return _VocabParallelCrossEntropy.apply(logits, targets, tp, tp.index * logits.shape[-1])
-
-
-def gathered_entries(module: nn.Module) -> list[nn.Module]:
-    """The modules that, under sequence parallelism, multiply the gathered sequence by their children's weights
-    without calling those children (`_GatheredLinears`, `_RouterOnGathered`): ZeRO-3 gathers each as one unit."""
-    return [m for m in module.modules() if isinstance(m, (_QKV, _GateUp, TensorParallelExperts)) and m.sp]
 
 
 def split_parameters(module: nn.Module) -> set[int]:

@@ -1,7 +1,8 @@
 """ZeRO-3 parameter partitioning: each rank stores 1/N of every parameter (Rajbhandari et al., SC'20).
 
-Parameters are grouped into units (by default each module that owns parameters; modules that share
-a parameter, as tied embeddings do, form one unit). A unit's parameters live as one flat buffer
+Parameters are grouped into units (by default each module that owns parameters; `mlsys train` and the mesh
+pass each decoder layer, as FSDP wraps one block at a time; modules that share a parameter, as tied embeddings
+do, form one unit). A unit's parameters live as one flat buffer
 padded to a multiple of N, of which this rank keeps slice r (`shards`). Just before a unit's
 forward its full buffer is all-gathered — the next unit's gather is already in flight (prefetch) —
 and the module's parameters become views of it; right after, they are dropped. Autograd would keep
