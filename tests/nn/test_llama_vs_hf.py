@@ -35,6 +35,14 @@ def models():
     return ours, tokenizer, theirs
 
 
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    """transformers' tokenizer from the same GGUF (~9 s to read here: once for the module)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_gguf_path().parent), gguf_file=default_gguf_path().name)
+
+
 def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     """Greedy decoding with transformers' own forward and KV cache (EOS does not stop it)."""
     out, tokens = [], torch.tensor([prompt])
@@ -55,12 +63,9 @@ def test_weights_equal_transformers_gguf_loader(models):
         assert torch.equal(tensor, reference[name if name.startswith("lm_head") else "model." + name]), name
 
 
-def test_chat_template_equals_transformers(models):
-    from transformers import AutoTokenizer
-
+def test_chat_template_equals_transformers(models, hf_tokenizer):
     _, tokenizer, _ = models
-    path = default_gguf_path()
-    reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    reference = hf_tokenizer
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTIONS[0]}]
     expected = reference.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
@@ -143,19 +148,16 @@ STRUCTURED = [  # (question, the output's grammar, a check of a complete output)
 ]
 
 
-def test_structured_outputs_equal_transformers_with_xgrammars_logits_processor(models):
+def test_structured_outputs_equal_transformers_with_xgrammars_logits_processor(models, hf_tokenizer):
     """Greedy decoding under a grammar (a JSON schema, a regex, a choice, any JSON object) equals transformers'
     `generate` with xgrammar's own logits processor on the same weights, its vocabulary read from transformers'
     tokenizer; each request in a mixed batch with the others, through prefill chunks; every output complete. With
     speculative decoding (drafts of what the grammar forces), one request at a time, the same tokens."""
     import xgrammar
-    from transformers import AutoTokenizer
     from xgrammar.contrib.hf import LogitsProcessor
 
     ours, tokenizer, theirs = models
-    info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(str(default_gguf_path().parent),
-                                                                                 gguf_file=default_gguf_path().name),
-                                                   vocab_size=ours.config.vocab)
+    info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=ours.config.vocab)
     compiler = xgrammar.GrammarCompiler(info)
     llm = LLM(ours, tokenizer, config=EngineConfig(kv_cache_bytes=100_000_000, max_batched_tokens=24))
     speculating = LLM(ours, tokenizer, config=EngineConfig(kv_cache_bytes=100_000_000, speculative_tokens=4))

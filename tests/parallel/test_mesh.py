@@ -125,9 +125,14 @@ def test_composed_losses_equal_the_single_process_run(layout, world):
         assert losses == pytest.approx(reference, rel=1e-9)
 
 
+def _slow(layout):  # CI time: each composes what the default layouts run (DP4 (EP2) the EP pair, the EP layouts CP, PP, TP)
+    return pytest.param(layout, marks=pytest.mark.slow)
+
+
 @pytest.mark.parametrize("layout", [
-    MeshLayout(dp=4, ep=2), MeshLayout(dp=2, ep=2), MeshLayout(cp=2), MeshLayout(dp=2, ep=2, cp=2), MeshLayout(pp=2),
-    MeshLayout(dp=2, ep=2, pp=2), MeshLayout(dp=2, ep=2, tp=2), MeshLayout(cp=2, tp=2), MeshLayout(cp=2, pp=2)])
+    MeshLayout(dp=4, ep=2), _slow(MeshLayout(dp=2, ep=2)), _slow(MeshLayout(cp=2)), MeshLayout(dp=2, ep=2, cp=2),
+    _slow(MeshLayout(pp=2)), MeshLayout(dp=2, ep=2, pp=2), MeshLayout(dp=2, ep=2, tp=2), _slow(MeshLayout(cp=2, tp=2)),
+    _slow(MeshLayout(cp=2, pp=2))])
 def test_expert_parallel_inside_data_parallel_equals_the_single_process_run(layout):
     """An MoE model on DP × EP, on CP alone, on DP2 (EP2) × CP2 (4 ranks: each EP pair exchanges tokens
     inside one CP index, the expert gradients summed over CP and then over the EDP ranks), under

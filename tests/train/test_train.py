@@ -364,16 +364,16 @@ def single_process_losses(tiny):
 
 
 @pytest.mark.parametrize("layouts", [
-    pytest.param([["--tp", "2"], ["--tp", "2", "--sequence-parallel"], ["--pp", "2", "--microbatches", "4", "--timeline"],
-                  ["--cp", "2"]], id="2-ranks"),
+    # (TP 2 with sequence parallelism: the Qwen runs below, through the pipeline, and beside ZeRO-3)
+    pytest.param([["--tp", "2"], ["--pp", "2", "--microbatches", "4", "--timeline"], ["--cp", "2"]], id="2-ranks"),
     pytest.param([["--nproc", "4", "--cp", "2", "--tp", "2", "--sequence-parallel"],  # CI time: the same compositions'
                   ["--nproc", "4", "--cp", "2", "--pp", "2", "--microbatches", "4", "--timeline"]],  # losses are also
                  marks=pytest.mark.slow, id="4-ranks"),  # in tests/parallel/test_mesh.py
 ])
 def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny, single_process_losses, tmp_path, layouts):
-    """--tp 2 (with and without sequence parallelism), --pp 2 (tied embeddings across the stages), --cp 2, and --cp 2
-    with --tp 2 (and sequence parallelism) or --pp 2 reproduce one process's losses; TP (with SP, the norms' summed
-    gradients too), PP and CP bytes on the wire equal the prediction, and PP reports its executed bubble and draws it."""
+    """--tp 2, --pp 2 (tied embeddings across the stages), --cp 2, and (-m slow) --cp 2 with --tp 2 and sequence
+    parallelism or with --pp 2 reproduce one process's losses; TP (with SP, the norms' summed gradients too), PP and
+    CP bytes on the wire equal the prediction, and PP reports its executed bubble and draws it."""
     reference = single_process_losses
     chart = tmp_path / "timeline.png"
     for layout in layouts:
@@ -599,7 +599,7 @@ def test_zero_with_pipeline_parallelism(tiny, single_process_losses, strategy):
     pytest.param("zero2", ("--tp", "--sequence-parallel"), marks=pytest.mark.slow),
     pytest.param("zero3", ("--tp",), marks=pytest.mark.slow), ("zero3", ("--tp", "--sequence-parallel")),
     pytest.param("zero1", ("--cp",), marks=pytest.mark.slow), pytest.param("zero2", ("--cp",), marks=pytest.mark.slow),
-    ("zero3", ("--cp",))])
+    pytest.param("zero3", ("--cp",), marks=pytest.mark.slow)])  # CI time: ZeRO-3 on DP2 x CP2 in the bf16 run below
 def test_zero_along_data_parallel_inside_the_mesh(tiny, single_process_losses, strategy, other):
     """DP2 × TP2 (with and without sequence parallelism) and DP2 × CP2 on 4 ranks with ZeRO, two microbatches a
     rank: one process's losses, and the bytes predict states (ZeRO-1 reduce-scatters the gradients once per step,
