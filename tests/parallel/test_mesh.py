@@ -152,6 +152,9 @@ def _composed_with_zero(rank, layout, stage, mixed_precision=False):
                               dtype=torch.bfloat16 if mixed_precision else None)
     held = pipeline.chunks if pipeline is not None else model
     zero = MeshZero(model, held, mesh, stage, _sgd, mixed_precision=mixed_precision)
+    if stage == 3 and pipeline is None:  # a decoder layer a unit (the embedding, final norm and head each their own;
+        # the experts by layer), not each linear: what predict prices (two gathered layers, layers + 2 gathers a pass)
+        assert [len(z.partition.units) for z in zero.zeros] == [MOE.layers + 3, MOE.layers - MOE.dense_layers]
     assert {p.dtype for p in held.parameters()} <= {torch.bfloat16 if mixed_precision else torch.float32}
     return [zero.train_step(lambda tied_gradient: composed_step(
         model, mesh, *_batch(step), MICROBATCHES, pipeline, reduce_data_parallel=False,

@@ -605,8 +605,8 @@ def test_zero_along_data_parallel_inside_the_mesh(tiny, single_process_losses, s
     rank: one process's losses, and the bytes predict states (ZeRO-1 reduce-scatters the gradients once per step,
     ZeRO-2 once per microbatch, then the updated weights are all-gathered; ZeRO-3 gathers the weights for every
     microbatch's forward and backward instead; under SP each microbatch's backward sums the norms' gradients over
-    TP before ZeRO reduces them, and ZeRO-3 gathers each entry's linears as one unit). Under CP, ZeRO shards over the 4 DP × CP ranks (they hold the same weights) and
-    the CP ring carries only K/V."""
+    TP before ZeRO reduces them, and ZeRO-3 gathers a decoder layer at a time). Under CP, ZeRO shards over the 4 DP × CP
+    ranks (they hold the same weights) and the CP ring carries only K/V."""
     reference = single_process_losses
     report = _train_json(tiny, "--nproc", "4", other[0], "2", *other[1:], "--dp", "2", "--micro-batch", "1",
                          "--strategy", strategy, "--steps", "3")
