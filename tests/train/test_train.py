@@ -323,10 +323,12 @@ def _cmdline(pid: int) -> bytes:
 @pytest.mark.parametrize("layout", [["--nproc", "2", "--pp", "2", "--strategy", "zero3"],  # CI time: 2 ranks
                                     pytest.param(["--nproc", "4", "--pp", "2", "--tp", "2", "--dp", "1"],
                                                  marks=pytest.mark.slow)])
-def test_mesh_checkpoint_resumes_bitwise(tiny, tmp_path, layout):
+def test_mesh_checkpoint_resumes_bitwise(tiny, tmp_path, layout, capfd, monkeypatch):
     """On a device mesh every rank saves its own stages, shards and optimizer state (ZeRO-3's on PP2;
     plain AdamW's on PP2 × TP2 with -m slow): a run resumed from step 2 of 4 gives the uninterrupted
-    run's last two losses, bitwise. (Leaving out ZeRO's optimizer state makes the 4th differ.)"""
+    run's last two losses, bitwise. (Leaving out ZeRO's optimizer state makes the 4th differ.) A ZeRO-3
+    checkpoint from before the mesh gathered a layer a unit (its run.json without `zero3_unit`) is refused
+    before launch, by name."""
     directory = tmp_path / "checkpoints"
     args = ("--global-batch", "8", "--micro-batch", "1", *layout, "--steps", "4",
             "--checkpoint-dir", str(directory), "--checkpoint-every", "2")
@@ -334,6 +336,13 @@ def test_mesh_checkpoint_resumes_bitwise(tiny, tmp_path, layout):
     shutil.rmtree(directory / "step_00000004")  # as if killed between the two checkpoints
     resumed = _train_json(tiny, *args, "--resume")["result"]
     assert resumed["first_step"] == 2 and resumed["losses"] == reference[2:]
+    if "zero3" in layout:
+        written = directory / "step_00000004" / "run.json"
+        fields = json.loads(written.read_text())
+        assert fields.pop("zero3_unit") == "decoder layer"
+        written.write_text(json.dumps(fields))
+        code, _, err = run(capfd, monkeypatch, "train", "--model-spec", str(tiny), *args, "--resume")
+        assert code == 2 and "zero3_unit" in err and "step_00000004" in err, err
     if "--tp" in layout:  # -m slow: resumed at the last step, nothing runs, and it says so (once silently no timeline)
         again = mlsys("train", "--model-spec", str(tiny), "--nproc", "2", "--global-batch", "4", "--seq", "32", *args,
                       "--resume", "--timeline", str(tmp_path / "timeline.png"))

@@ -228,7 +228,10 @@ class TrainConfig:
         """What decides a checkpoint's keys and shapes, kept with it: a resume must match each."""
         return {"model": self.model, "strategy": self.strategy, "nproc": self.nproc, "tp": self.tp, "pp": self.pp,
                 "cp": self.cp, "ep": self.ep, "dp": self.data_parallel, "interleave": self.interleave,
-                "schedule": self.schedule if self.pp > 1 else None, "bf16": self.bf16, "offload": self.offload}
+                "schedule": self.schedule if self.pp > 1 else None, "bf16": self.bf16, "offload": self.offload,
+                # the mesh's ZeRO-3 shards a decoder layer a unit since 2026-11-27 (before: each module), so its
+                # slices' shapes changed; a checkpoint without this field is refused before launch, not by DCP
+                "zero3_unit": "decoder layer" if self.on_mesh and self.zero_stage == 3 else None}
 
     @property
     def microbatches(self) -> int:
