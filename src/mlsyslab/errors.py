@@ -36,7 +36,12 @@ class InvalidValues(InvalidValue):
 
 
 def raise_all(errors: list[InvalidValue]) -> None:
-    """Raise nothing, the one error, or all of them as InvalidValues."""
+    """Raise nothing, the one error, or all of them as InvalidValues — a field's first error only (a value that
+    breaks two rules is named once, by the first)."""
+    first: dict = {}
+    for error in errors:
+        first.setdefault(error.field, error)
+    errors = list(first.values())
     if len(errors) > 1:
         raise InvalidValues(errors)
     if errors:

@@ -79,7 +79,7 @@ class MeshLayout:
                                            ("tp", self.tp, model_config.expert_hidden, "expert hidden units"),
                                            ("pp", self.pp, model_config.layers, "layers"),
                                            ("cp", 2 * self.cp if self.cp > 1 else 1, seq, "tokens of a sequence")):
-            if divides % value and name not in {error.field for error in broken}:  # a field's first rule
+            if divides % value:
                 rule = "2·cp (zig-zag: 2·cp chunks) dividing" if name == "cp" else "a divisor of"
                 broken.append(InvalidValue(name, getattr(self, name), f"{rule} the {divides} {what}"))
         if self.ep > 1 and not model_config.experts:
@@ -87,7 +87,7 @@ class MeshLayout:
         else:
             for name, value, divides, what in (("ep", self.ep, self.dp, "data-parallel ranks (EP splits DP)"),
                                                ("ep", self.ep, model_config.experts or 1, "experts")):
-                if divides % value and name not in {error.field for error in broken}:
+                if divides % value:
                     broken.append(InvalidValue(name, value, f"a divisor of the {divides} {what}"))
         if microbatches < self.pp:
             broken.append(InvalidValue("microbatches", microbatches, f">= pp={self.pp} to fill the pipeline; a step's "

@@ -274,11 +274,10 @@ def validate_layout(model: Model, layout: Layout) -> None:
         6: ("global_batch", f"microbatches per pipeline divisible by PP={row['pp']} for the interleaved schedule"),
         7: ("cp", f"a CP with seq={row['seq']} divisible by 2 x CP"),
     }
-    errors, fields = [], set()
+    errors = []
     for index, broken in enumerate(_broken_rules(model, layout, None), start=1):
-        field, valid = named[index]
-        if bool(np.asarray(broken).reshape(-1)[0]) and field not in fields:  # a field's first rule
-            fields.add(field)
+        if bool(np.asarray(broken).reshape(-1)[0]):
+            field, valid = named[index]
             errors.append(InvalidValue(field, row[field], valid, reason=REASONS[index]))
     raise_all(errors)
 
