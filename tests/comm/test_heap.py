@@ -67,8 +67,8 @@ def test_the_environment_variables_keep_the_heap_of_a_process_we_do_not_start():
 
 def test_spawned_ranks_keep_their_heap():
     # Under half of a plain heap's ~49,000: in one full-suite run (2026-11-27) a rank forked from the suite's long-lived
-    # forkserver kept growing its heap by one 64 MB block (16,384 pages) in half of the last 8 passes — freed blocks
-    # split by smaller allocations — where a fresh interpreter settles at ~0; the other two of a pass's three blocks
-    # were still reused.
+    # forkserver kept growing its heap by one 64 MB block (16,384 pages) in half of the last 8 passes (freed blocks
+    # split by smaller allocations, most likely) where a fresh interpreter settles at ~0; the other two of a pass's
+    # three blocks were still reused.
     for faults in launch.spawn(loss_step_faults, 2):
         assert settled(faults) < 25_000, faults

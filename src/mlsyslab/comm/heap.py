@@ -18,8 +18,9 @@ not start ourselves (a benchmark's peer, which must run under the same allocator
 Not covered: threads other than the process's main one allocate from glibc's other arenas, whose heaps hold at most
 64 MB, so there a 64 MB block still comes fresh from the kernel every time (measured, 2026-11-27: the test's 16
 cross-entropy passes in a second thread faulted 49,155 pages each with the heap kept, as without; with M_ARENA_MAX=1
-every thread shares the main heap and they settle too). Our ranks step on their main thread, so it is not set. And a
-kept heap can still grow now and then where freed blocks were split by smaller ones (tests/comm/test_heap.py).
+every thread shares the main heap and they settle too). Our ranks step on their main thread, so it is not set. And
+a kept heap can still grow now and then, most likely where freed blocks were split by smaller ones
+(tests/comm/test_heap.py).
 """
 
 from __future__ import annotations
