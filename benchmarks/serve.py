@@ -59,9 +59,10 @@ from mlsyslab.comm.launch import free_port
 from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.pretrained import default_gguf_path, load_pretrained, resolve_folder
 from mlsyslab.nn.tokenizer import Tokenizer
-from mlsyslab.serve.engine import LLM, EngineConfig
+from mlsyslab.serve.config import EngineConfig
+from mlsyslab.serve.engine import LLM
 from mlsyslab.serve.loadgen import Workload, run_benchmark
-from mlsyslab.serve.sampling import SamplingParams
+from mlsyslab.serve.sampling_params import SamplingParams
 
 RESULTS = ROOT / "benchmarks" / "results" / "serve.json"
 # llama.cpp built for this CPU: natively, except on CPUs with AMX, where its AMX int8 kernels crashed the

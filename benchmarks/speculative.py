@@ -17,8 +17,9 @@ import torch
 from record import ROOT, OtherProcesses, machine, save  # benchmarks/record.py
 
 from mlsyslab.nn.pretrained import default_gguf_path, load_pretrained
-from mlsyslab.serve.engine import LLM, EngineConfig
-from mlsyslab.serve.sampling import SamplingParams
+from mlsyslab.serve.config import EngineConfig
+from mlsyslab.serve.engine import LLM
+from mlsyslab.serve.sampling_params import SamplingParams
 
 TEXT = ("Paged attention stores the key and value cache in fixed-size blocks, so memory is allocated on demand "
         "and shared between sequences with a common prefix; continuous batching re-forms the batch at every step.")

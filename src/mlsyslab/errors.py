@@ -21,6 +21,10 @@ class InvalidValue(MlsysError):
         return type(self), (self.field, self.value, self.valid, self.reason)
 
 
+class QueueFull(MlsysError):
+    """A serving engine's waiting queue is at its bound (`serve.scheduler`; HTTP 503): not the input's fault, retry."""
+
+
 class InvalidValues(InvalidValue):
     """Several rules broken at once, all named in one refusal (`a=1 is invalid (...); b=2 is invalid (...)`) so a
     layout is fixed in one go; `field` and the rest are the first one's."""

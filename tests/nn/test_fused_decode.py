@@ -13,8 +13,9 @@ from mlsyslab.nn import packed_linear
 from mlsyslab.nn.packed_linear import packed_for_inference, streamed_below
 from mlsyslab.nn.paged_attention import DecodeSteps, PagedAttention, SequenceSlice
 from mlsyslab.nn.rope import RopeScaling
-from mlsyslab.serve.engine import LLM, Engine, EngineConfig
-from mlsyslab.serve.sampling import SamplingParams
+from mlsyslab.serve.config import EngineConfig
+from mlsyslab.serve.engine import LLM, Engine
+from mlsyslab.serve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels did not build here")
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from mlsyslab.nn.pretrained import default_gguf_path, load_pretrained
-from mlsyslab.serve.engine import LLM, EngineConfig
+from mlsyslab.serve.config import EngineConfig
+from mlsyslab.serve.engine import LLM
 from mlsyslab.serve.grammar import StructuredOutput
-from mlsyslab.serve.sampling import SamplingParams
+from mlsyslab.serve.sampling_params import SamplingParams
 
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain gravity to a child.",

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -148,7 +149,8 @@ def test_serve_answers_the_openai_client():
     speculative decoding on: the greedy answer is the same, and a reply that copies its prompt keeps drafts. With a
     tool-call parser: tools under OpenAI's default tool_choice ("auto") are served (the model answers in text); with a
     reasoning parser, a reply without a think block is all content. Its
-    served name and API key (from MLSYS_API_KEY) are asked for. On --port 0 it takes a free port and says which."""
+    served name and API key (from MLSYS_API_KEY) are asked for. On --port 0 it takes a free port and says which. The
+    server's process never loads torch (its engine's does): it starts the engine's process without waiting on it."""
     start = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-m", "mlsyslab", "serve", "--port", "0", "--threads", "2",
                                 "--kv-cache-gb", "0.2", "--speculative-tokens", "4", "--tool-call-parser", "hermes",
@@ -163,6 +165,9 @@ def test_serve_answers_the_openai_client():
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
+        children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+        assert "libtorch_cpu" not in Path(f"/proc/{process.pid}/maps").read_text()
+        assert any("libtorch_cpu" in Path(f"/proc/{child}/maps").read_text() for child in children)
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0).models.list()
         client = openai.OpenAI(base_url=url + "/v1", api_key="secret", max_retries=0, timeout=60)

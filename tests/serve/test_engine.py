@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from mlsyslab.serve.engine import LLM, Engine, EngineConfig
-from mlsyslab.serve.sampling import SamplingParams
+from mlsyslab.serve.config import EngineConfig
+from mlsyslab.serve.engine import LLM, Engine
+from mlsyslab.serve.sampling_params import SamplingParams
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -84,7 +85,7 @@ def test_stream_gives_the_deltas_then_the_output_and_leaving_early_aborts(llm):
 
 def test_requests_added_together_are_queued_all_or_none():
     from mlsyslab.errors import InvalidValue
-    from mlsyslab.serve.scheduler import QueueFull
+    from mlsyslab.errors import QueueFull
     from tests.serve.tiny import block_bytes, tiny_model
 
     engine = Engine(tiny_model(), config=EngineConfig(kv_cache_bytes=64 * block_bytes(), block_size=4, max_waiting=2))

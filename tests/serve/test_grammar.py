@@ -14,9 +14,10 @@ from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.nn.pretrained import resolve_folder
 from mlsyslab.nn.tokenizer import Tokenizer
-from mlsyslab.serve.engine import LLM, EngineConfig
+from mlsyslab.serve.config import EngineConfig
+from mlsyslab.serve.engine import LLM
 from mlsyslab.serve.grammar import StructuredOutput
-from mlsyslab.serve.sampling import SamplingParams
+from mlsyslab.serve.sampling_params import SamplingParams
 
 CONFIG = LlamaConfig(vocab=49152, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, ffn_hidden=64,
                      rope_theta=1000.0, max_seq=192)

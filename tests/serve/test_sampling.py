@@ -8,8 +8,10 @@ import torch
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn import cpu_kernels
 from mlsyslab.serve import sampling
-from mlsyslab.serve.engine import LLM, EngineConfig
-from mlsyslab.serve.sampling import SamplerInput, SamplingParams, sample
+from mlsyslab.serve.config import EngineConfig
+from mlsyslab.serve.engine import LLM
+from mlsyslab.serve.sampling import SamplerInput, sample
+from mlsyslab.serve.sampling_params import SamplingParams
 from tests.serve.tiny import block_bytes, tiny_model
 
 

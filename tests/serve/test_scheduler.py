@@ -13,13 +13,14 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from mlsyslab.errors import InvalidValue
+from mlsyslab.errors import InvalidValue, QueueFull
 from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.llama import Llama, LlamaConfig
-from mlsyslab.serve.engine import Engine, EngineConfig
-from mlsyslab.serve.sampling import SamplingParams
+from mlsyslab.serve.config import EngineConfig
+from mlsyslab.serve.engine import Engine
 from mlsyslab.serve.kv_cache import block_bytes as kv_block_bytes
-from mlsyslab.serve.scheduler import QueueFull
+from mlsyslab.serve.sampling_params import SamplingParams
+
 from tests.serve.tiny import CONFIG, block_bytes, greedy_reference, tiny_model
 
 MODEL = tiny_model()

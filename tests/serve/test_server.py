@@ -11,11 +11,11 @@ import openai
 import pytest
 
 from mlsyslab.nn.pretrained import loaders
-from mlsyslab.serve.engine import EngineConfig
+from mlsyslab.serve.config import EngineConfig
 from mlsyslab.serve.metrics import EngineMetrics
 from mlsyslab.serve.output import RequestOutput
 from mlsyslab.serve.protocol import best_choices
-from mlsyslab.serve.sampling import Sampled
+from mlsyslab.serve.sampling_params import Sampled
 from mlsyslab.serve.server import ServerThread, build_server, create_app
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

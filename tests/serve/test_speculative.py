@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from mlsyslab.errors import InvalidValue
-from mlsyslab.serve.engine import LLM, EngineConfig
-from mlsyslab.serve.sampling import SamplerInput, SamplingParams
+from mlsyslab.serve.config import EngineConfig
+from mlsyslab.serve.engine import LLM
+from mlsyslab.serve.sampling import SamplerInput
+from mlsyslab.serve.sampling_params import SamplingParams
 from mlsyslab.serve.speculative import propose, verify
 from tests.serve.tiny import block_bytes, greedy_reference, tiny_model
 

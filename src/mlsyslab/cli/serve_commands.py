@@ -61,7 +61,7 @@ def serve_command(
     cache_dir: CacheDir = None,
 ):
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
-    start = time.perf_counter()  # "ready in" counts the server's imports too (~2.4 s of torch and FastAPI)
+    start = time.perf_counter()  # "ready in" counts the server's imports too (~0.5 s of FastAPI)
     import uvicorn
 
     from mlsyslab.serve import reasoning_parser as reasoning
@@ -131,7 +131,7 @@ def generate_command(
     """Generate a reply to one prompt in process, printed as it comes, and say how fast."""
     from mlsyslab.serve.engine import LLM
     from mlsyslab.serve.output import Delta
-    from mlsyslab.serve.sampling import SamplingParams
+    from mlsyslab.serve.sampling_params import SamplingParams
 
     if temperature == 0:
         check_unused("with --temperature > 0 (greedy takes the most likely token)", ("--top-p", top_p, 1.0),
@@ -204,7 +204,7 @@ def serving_threads() -> int:
 
 def engine_config(kv_cache_gb, block_size, max_batched_tokens, max_running, max_waiting, prefix_cache,
                   decode_steps=None, speculative_tokens=0):
-    from mlsyslab.serve.engine import EngineConfig
+    from mlsyslab.serve.config import EngineConfig
 
     if max_batched_tokens is None:
         max_batched_tokens = EngineConfig.max_batched_tokens
@@ -213,7 +213,7 @@ def engine_config(kv_cache_gb, block_size, max_batched_tokens, max_running, max_
     check_positive(block_size=block_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
                    max_waiting=max_waiting, decode_steps=decode_steps)
     check_greater_than_zero(kv_cache_gb=kv_cache_gb)
-    from mlsyslab.measure.memory import machine_memory_bytes
+    from mlsyslab.measure.host import machine_memory_bytes
 
     memory = machine_memory_bytes()
     if memory and kv_cache_gb * 1e9 > memory:
@@ -226,24 +226,24 @@ def engine_config(kv_cache_gb, block_size, max_batched_tokens, max_running, max_
 
 
 def loaders(model: str, dtype: str, threads: int | None, cache_dir: Path | None):
-    """Validate the options, set the thread count, then (model loader, tokenizer loader, name)
-    (`nn.pretrained.loaders`)."""
+    """Validate the options, then (model loader, tokenizer loader, name) (`nn.pretrained.loaders`; no torch
+    imported: `mlsys serve` hands them to its engine's process)."""
     if dtype not in ("fp32", "bf16"):
         raise InvalidValue("--dtype", dtype, "fp32, bf16")
     check_positive(threads=threads)
     check_directory("--cache-dir", cache_dir)
-    import torch
-
     from mlsyslab.nn import pretrained
 
-    if threads is not None:
-        torch.set_num_threads(threads)
     return pretrained.loaders(model, dtype, cache_dir)
 
 
 def load(model: str, dtype: str, threads: int | None, cache_dir: Path | None):
-    """`loaders`, loaded: (model, tokenizer, name)."""
+    """`loaders`, loaded in this process on `threads` threads: (model, tokenizer, name)."""
     load_model, load_tokenizer, name = loaders(model, dtype, threads, cache_dir)
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
     return load_model(), load_tokenizer(), name
 
 

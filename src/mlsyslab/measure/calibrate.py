@@ -32,7 +32,7 @@ import yaml
 
 from mlsyslab.comm import shared_memory
 from mlsyslab.comm.launch import Rank, spawn
-from mlsyslab.measure.memory import machine_memory_bytes
+from mlsyslab.measure.host import machine_memory_bytes
 from mlsyslab.specs.catalog import LOCAL_HARDWARE
 
 WIDTHS = (32, 64, 128, 256, 512, 1024)

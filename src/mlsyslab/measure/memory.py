@@ -7,19 +7,10 @@ storage) at the moment it is saved, and the peak is what backward will need.
 Twin: predict.memory (weights, gradients, optimizer, activations per rank).
 """
 
-import os
 from contextlib import contextmanager
 
 import torch
 from torch import nn
-
-
-def machine_memory_bytes() -> int | None:
-    """This machine's physical memory (None where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def storage_bytes(tensors) -> int:

@@ -36,7 +36,6 @@ from pathlib import Path
 import numpy as np
 
 from mlsyslab.errors import InvalidValue
-from mlsyslab.nn.llama import HF_FAMILIES
 
 LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -77,6 +76,8 @@ def convert_gguf(gguf_path: str | Path, folder: str | Path) -> None:
     import torch
     from safetensors.torch import save_file
 
+    from mlsyslab.nn.llama import HF_FAMILIES  # here, not at the top: a cached folder's lookup needs no torch
+
     try:
         reader = gguf.GGUFReader(str(gguf_path))
     except ValueError as error:  # gguf's reader on an empty, cut or foreign file: bad magic, short arrays
@@ -112,6 +113,8 @@ def convert_gguf(gguf_path: str | Path, folder: str | Path) -> None:
 
 def hf_config_from_gguf(metadata: dict, architecture: str = "llama") -> dict:
     """HF LlamaConfig (or Phi3Config, Qwen2Config, Qwen3Config) fields from GGUF `llama.*` (`phi3.*`, ...) keys."""
+    from mlsyslab.nn.llama import HF_FAMILIES
+
     def key(name, default=None):
         value = metadata.get(f"{architecture}.{name}", default)
         if value is None:

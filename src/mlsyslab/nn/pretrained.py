@@ -11,17 +11,19 @@ import functools
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from mlsyslab.errors import InvalidValue
-from mlsyslab.nn.hf_loader import load_hf_folder
-from mlsyslab.nn.llama import Llama
 from mlsyslab.nn.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # torch and the model load in the functions that build one: resolving a model (the server's
+    import torch  # HTTP process, which hands the loaders to its engine's process) imports no torch
+
+    from mlsyslab.nn.llama import Llama
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "mlsyslab" / "models"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+DTYPE_NAMES = ("fp32", "bf16", "fp64")
 
 
 def default_gguf_path() -> Path:
@@ -49,10 +51,24 @@ def resolve_folder(model: str | Path, cache_dir: str | Path | None = None) -> Pa
     raise InvalidValue("model", str(model), "default, a .gguf file, or a folder with config.json and *.safetensors")
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise InvalidValue("dtype", name, ", ".join(DTYPES))
-    return DTYPES[name]
+def check_dtype(name: str) -> None:
+    if name not in DTYPE_NAMES:
+        raise InvalidValue("dtype", name, ", ".join(DTYPE_NAMES))
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a --dtype name (fp32, bf16, fp64)."""
+    check_dtype(name)
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}[name]
+
+
+def load_model(folder: Path, dtype: str, device: str | torch.device = "cpu") -> Llama:
+    """The Llama of an HF folder in `dtype` (a --dtype name) on `device`."""
+    from mlsyslab.nn.hf_loader import load_hf_folder
+
+    return load_hf_folder(folder, torch_dtype(dtype), device)
 
 
 def loaders(model: str | Path = "default", dtype: str = "fp32", cache_dir: str | Path | None = None,
@@ -60,10 +76,10 @@ def loaders(model: str | Path = "default", dtype: str = "fp32", cache_dir: str |
     """(model loader, tokenizer loader, name): zero-argument, picklable functions that read the weights
     and the tokenizer of "default", a .gguf file or an HF folder, so that another process (the server's
     engine) can read them while this one does something else. A GGUF is converted here, once."""
-    parse_dtype(dtype)
+    check_dtype(dtype)
     folder = resolve_folder(model, cache_dir)
     name = DEFAULT_MODEL_NAME if str(model) == "default" else Path(model).stem
-    return functools.partial(load_hf_folder, folder, DTYPES[dtype], device), functools.partial(Tokenizer, folder), name
+    return functools.partial(load_model, folder, dtype, device), functools.partial(Tokenizer, folder), name
 
 
 def load_pretrained(model: str | Path = "default", dtype: str = "fp32", cache_dir: str | Path | None = None,

@@ -36,7 +36,6 @@ import copy
 import itertools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,37 +47,15 @@ from mlsyslab.nn.fused_decode import FusedDecode
 from mlsyslab.nn.packed_linear import can_pack, packed_for_inference
 from mlsyslab.nn.paged_attention import DecodeSteps, PagedAttention, SequenceSlice
 from mlsyslab.nn.tokenizer import Tokenizer
+from mlsyslab.serve.config import EngineConfig
 from mlsyslab.serve.grammar import Grammars, constrain_draft, grammar_draft
 from mlsyslab.serve.kv_cache import KVCache
 from mlsyslab.serve.output import Delta, OutputTracker, RequestOutput
 from mlsyslab.serve.request import Request
-from mlsyslab.serve.sampling import Sampled, SamplerInput, SamplingParams, picked_in_step, sample, score
+from mlsyslab.serve.sampling import SamplerInput, picked_in_step, sample, score
+from mlsyslab.serve.sampling_params import Sampled, SamplingParams
 from mlsyslab.serve.scheduler import Scheduled, Scheduler
 from mlsyslab.serve.speculative import propose, speculates, verify
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Memory and batching knobs. Defaults suit SmolLM2-135M on a 2-core CPU."""
-
-    kv_cache_bytes: int = 1_000_000_000
-    block_size: int = 16
-    max_batched_tokens: int = 2048  # chunked-prefill budget (docs/serving.md: oneDNN's bf16 GEMMs cost 30% less
-    # per row from ~1,500 rows than at 1,024 here; 16 in flight gained 8% and its TTFT, 32 broke even)
-    max_running: int = 64
-    max_waiting: int = 256
-    prefix_cache: bool = True
-    packed_linears: bool = True  # oneDNN-prepacked weights on CPU (nn.packed_linear); off: F.linear
-    fused_decode: bool = True  # decode-only steps run every layer in one C++ call where it applies (nn.fused_decode)
-    fp32_steps_from: int | None = None  # 16-bit CPU weights: steps of this many tokens or more run on an fp32
-    # copy of them (None: 16 unless the CPU multiplies bf16 pairs natively, 0: never); see `wide_step_model`
-    decode_steps: int = 8  # decodes may run up to this many steps in one call while nobody waits
-    # (multi-step decoding; 1: off); see `steps_ahead`
-    decode_ahead_s: float = 0.1  # ... and only as many as take about this long (what an arrival may wait)
-    speculative_tokens: int = 0  # n-gram draft tokens a decode may verify per step (`serve.speculative`; 0: off)
-    speculative_max_rows: int = 8  # ... while the step has at most this many rows with them (see `drafts`)
-    ngram_max: int = 3  # ... looked up after the longest of the request's last ngram_max..ngram_min tokens found
-    ngram_min: int = 2  # earlier in its prompt and output
 
 
 class Engine:
@@ -86,16 +63,6 @@ class Engine:
 
     def __init__(self, model: Llama, tokenizer: Tokenizer | None = None, config: EngineConfig = EngineConfig(),
                  eos_token_ids: frozenset[int] | None = None):
-        if config.decode_steps < 1:
-            raise InvalidValue("decode_steps", config.decode_steps, ">= 1 (1: one step per call)")
-        if not config.decode_ahead_s >= 0:
-            raise InvalidValue("decode_ahead_s", config.decode_ahead_s, ">= 0 seconds")
-        if config.speculative_tokens < 0:
-            raise InvalidValue("speculative_tokens", config.speculative_tokens, ">= 0 (0: off)")
-        if config.speculative_max_rows < 1:
-            raise InvalidValue("speculative_max_rows", config.speculative_max_rows, ">= 1")
-        if not 1 <= config.ngram_min <= config.ngram_max:
-            raise InvalidValue("ngram_min..ngram_max", f"{config.ngram_min}..{config.ngram_max}", "1 <= ngram_min <= ngram_max")
         self.source_model, self.tokenizer, self.config = model.eval(), tokenizer, config
         self.model, self.fused_decode = self.serving_copy(model)
         self.wide_model, self.wide_from = self.wide_step_model(model)

@@ -35,11 +35,13 @@ import json
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # StructuredOutput is read by the server's HTTP process, which imports no torch
+    import torch
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 CACHED_GRAMMARS = 64
@@ -116,6 +118,7 @@ class Grammars:
         the model's vocabulary (ids past the tokenizer's are never allowed)."""
         if self.tokenizer is None:
             raise InvalidValue("structured_output", "...", "none (this engine has no tokenizer to match text)")
+        import torch
         import xgrammar
         from transformers import PreTrainedTokenizerFast
 

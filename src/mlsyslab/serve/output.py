@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from mlsyslab.nn.tokenizer import IncrementalDetokenizer, Tokenizer
 from mlsyslab.serve.request import Request
-from mlsyslab.serve.sampling import Sampled
+from mlsyslab.serve.sampling_params import Sampled
 
 
 @dataclass

@@ -48,7 +48,7 @@ from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.tokenizer import Tokenizer
 from mlsyslab.serve.grammar import KINDS, StructuredOutput
 from mlsyslab.serve.output import RequestOutput
-from mlsyslab.serve.sampling import MAX_TOP_LOGPROBS, Sampled, SamplingParams
+from mlsyslab.serve.sampling_params import MAX_TOP_LOGPROBS, Sampled, SamplingParams
 from mlsyslab.serve.tools import ToolCalls, resolve
 
 MAX_CHOICES = 128  # OpenAI's bound on n

@@ -11,10 +11,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from mlsyslab.serve.sampling_params import SamplingParams
 
-from mlsyslab.serve.sampling import SamplingParams
+if TYPE_CHECKING:  # a Request travels through the server's HTTP process (`serve.output`), which imports no torch
+    import torch
 
 
 class Status(enum.Enum):

@@ -26,14 +26,10 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from mlsyslab.errors import InvalidValue, MlsysError
+from mlsyslab.errors import InvalidValue, QueueFull
 from mlsyslab.serve.kv_cache import KVCache
 from mlsyslab.serve.radix import RadixCache
 from mlsyslab.serve.request import Request, Status
-
-
-class QueueFull(MlsysError):
-    """The waiting queue is at its bound (HTTP 503)."""
 
 
 @dataclass

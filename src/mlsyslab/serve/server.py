@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mlsyslab.errors import InvalidValue, MlsysError
+from mlsyslab.errors import InvalidValue, MlsysError, QueueFull
 from mlsyslab.nn.tokenizer import Tokenizer
 from mlsyslab.serve import reasoning_parser as reasoning
 from mlsyslab.serve.engine_process import EngineProcess
@@ -47,8 +47,7 @@ from mlsyslab.serve.protocol import (
     new_id,
     usage,
 )
-from mlsyslab.serve.sampling import SamplingParams
-from mlsyslab.serve.scheduler import QueueFull
+from mlsyslab.serve.sampling_params import SamplingParams
 from mlsyslab.serve.tool_parser import PARSERS, ToolCallStream
 from mlsyslab.serve.tools import tool_call
 

@@ -36,7 +36,8 @@ import torch
 
 from dataclasses import replace
 
-from mlsyslab.serve.sampling import Sampled, SamplerInput, SamplingParams, inverse_cdf, picked_in_step, softmax
+from mlsyslab.serve.sampling import SamplerInput, inverse_cdf, picked_in_step, softmax
+from mlsyslab.serve.sampling_params import Sampled, SamplingParams
 
 
 def speculates(params: SamplingParams) -> bool:

@@ -23,11 +23,12 @@ from mlsyslab.errors import InvalidValue
 from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.nn.packed_linear import streamed_below
-from mlsyslab.nn.pretrained import DTYPES
+from mlsyslab.nn.pretrained import DTYPE_NAMES, torch_dtype
 from mlsyslab.predict.assumptions import Assumptions
 from mlsyslab.predict.inference import predict_inference
-from mlsyslab.serve.engine import Engine, EngineConfig, kv_cache_dtype
-from mlsyslab.serve.sampling import SamplingParams
+from mlsyslab.serve.config import EngineConfig
+from mlsyslab.serve.engine import Engine, kv_cache_dtype
+from mlsyslab.serve.sampling_params import SamplingParams
 
 
 def predicted_tpot(model: Llama, name: str, hardware, assumptions: Assumptions, concurrency: int,
@@ -35,7 +36,7 @@ def predicted_tpot(model: Llama, name: str, hardware, assumptions: Assumptions, 
     """Seconds per decode step of `model` served by this engine with `concurrency` requests in flight."""
     parameter = next(model.parameters())
     spec = model.config.to_spec(name, sum(p.numel() for p in model.parameters()), "the loaded model's config")
-    kv = {torch_dtype: label for label, torch_dtype in DTYPES.items()}[kv_cache_dtype(parameter, model.config.head_dim)]
+    kv = {torch_dtype(label): label for label in DTYPE_NAMES}[kv_cache_dtype(parameter, model.config.head_dim)]
     counted = assumptions.override({"kernels_per_layer": host_kernels_per_layer(model, concurrency)})
     prediction = predict_inference(spec, hardware, concurrency, prompt_tokens, output_tokens, kv_dtype=kv,
                                    assumptions=counted)
