@@ -104,6 +104,28 @@ def test_fused_decode_equals_the_python_layers_and_writes_the_same_cache(dtype, 
     assert torch.equal(picked, expected_picked)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_streamed_step_is_the_same_on_any_number_of_threads(dtype, threads):
+    """Each output is computed by one thread, by the same instructions whatever the team: 1 thread, and 3 (an odd
+    team, and more threads than this machine's 2 cores), give the Python layers' logits and cache as 2 do."""
+    model = serving_model(dtype)
+    fused = FusedDecode(model)
+    assert fused.plan(3).streamed
+    k_cache, v_cache, slices, ids, positions = decode_case(dtype, [5, 16, 40])
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    rows, before = torch.arange(3), torch.get_num_threads()
+    with torch.inference_mode():
+        expected = model.forward_packed(ids, positions, PagedAttention(k_ref, v_ref, slices), rows)
+        torch.set_num_threads(threads)
+        try:
+            got, _ = fused(ids, positions, PagedAttention(k_cache, v_cache, slices), rows)
+        finally:
+            torch.set_num_threads(before)
+    assert torch.equal(got, expected)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
 def test_the_streamed_steps_greedy_token_is_the_first_of_equal_largest_logits():
     """Two threads note the largest logit of their own columns; a tie across them goes to the first column,
     as torch's max(dim).indices (and HF's argmax) break it."""
