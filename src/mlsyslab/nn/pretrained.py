@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # torch and the model load in the functions that build one: r
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "mlsyslab" / "models"
-DTYPE_NAMES = ("fp32", "bf16", "fp64")
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp64": "float64"}  # --dtype name: torch attribute
+DTYPE_NAMES = tuple(TORCH_DTYPES)
 
 
 def default_gguf_path() -> Path:
@@ -61,7 +62,7 @@ def torch_dtype(name: str) -> torch.dtype:
     check_dtype(name)
     import torch
 
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}[name]
+    return getattr(torch, TORCH_DTYPES[name])
 
 
 def load_model(folder: Path, dtype: str, device: str | torch.device = "cpu") -> Llama:
