@@ -6,7 +6,8 @@ every token in the prompt or output), then presence and frequency (OpenAI: subtr
 `frequency · count` for tokens already generated); the request's stop tokens masked while it has fewer than
 `min_tokens` (vLLM's, HF's MinNewTokensLengthLogitsProcessor); the tokens a structured output's grammar forbids
 masked (`serve.grammar`); then temperature (0 means greedy: argmax; so does any under MIN_TEMPERATURE = 1e-5,
-vLLM's _SAMPLING_EPS, which SamplingParams applies (`serve.sampling_params`): logits / T would overflow fp32 below ~1e-38, and long before that softmax is argmax's one-hot);
+vLLM's _SAMPLING_EPS, which SamplingParams applies (`serve.sampling_params`): logits / T would overflow fp32 below
+~1e-38, and long before that softmax is argmax's one-hot);
 then the filters on the probabilities — top-k, top-p (nucleus, Holtzman et al. 2020: the smallest
 set whose mass reaches p), min-p (Nguyen et al. 2024: drop tokens below min_p · the top
 probability); then one draw by inverse CDF.
