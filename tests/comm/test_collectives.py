@@ -167,9 +167,11 @@ if __name__ == "__main__":
 """
 
 
-def test_a_signal_to_the_parent_stops_its_ranks_first(tmp_path):
-    """`kill` sends SIGTERM to the parent alone (the ranks are forks of a fork server, which outlives it):
-    spawn passes it on, and only once the ranks are gone does the parent end, by the same signal."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_a_signal_to_the_parent_stops_its_ranks(tmp_path, signum):
+    """`kill` signals the parent alone (the ranks are forks of a fork server, which outlives it): spawn passes
+    SIGTERM on, and only once the ranks are gone does the parent end, by the same signal; under SIGKILL, which no
+    handler sees, each rank sees its launcher end and ends too (`comm.children.die_with_launcher`)."""
     script = tmp_path / "parent.py"
     script.write_text(SPAWNS_SLEEPERS)
     parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stderr=subprocess.PIPE)
@@ -177,9 +179,12 @@ def test_a_signal_to_the_parent_stops_its_ranks_first(tmp_path):
     while time.time() < deadline and len(ranks := [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]) < 2:
         time.sleep(0.1)
     assert len(ranks) == 2, parent.stderr.read() if parent.poll() is not None else "the ranks did not start"
-    parent.send_signal(signal.SIGTERM)
-    assert parent.wait(timeout=60) == -signal.SIGTERM
-    alive = [pid for pid in ranks if Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)]
+    parent.send_signal(signum)
+    assert parent.wait(timeout=60) == -signum
+    deadline = time.time() + (0 if signum == signal.SIGTERM else 10)  # SIGTERM: gone before the parent ended
+    while (alive := [pid for pid in ranks if Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)]) and \
+            time.time() < deadline:
+        time.sleep(0.1)
     assert not alive, f"ranks {alive} outlived their parent"
 
 

@@ -1,20 +1,20 @@
-"""`mlsys train`: validate, tokenise the corpus, launch the ranks with torchrun, print predicted vs measured."""
+"""`mlsys train`: validate, tokenise the corpus, launch the ranks under torchrun's agent, print predicted vs measured."""
 
-import json as jsonlib
+import signal
 import sys
-import tempfile
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from mlsyslab.comm.children import run_in_foreground
+from mlsyslab.comm import fork_server
 from mlsyslab.cli.options import (HardwareSpec, Json, ModelName, ModelSpec, check_output_file, check_positive,
                                   resolve_assumptions, resolve_hardware, resolve_model)
 from mlsyslab.cli.render import console, emit_json, human, seconds, table
 from mlsyslab.errors import InvalidValue
 
 CACHE = Path.home() / ".cache" / "mlsyslab"
+RANK_IMPORTS = ("mlsyslab.train.worker",)
 
 
 def train_command(
@@ -61,12 +61,13 @@ def train_command(
 ):
     """Train the nn/ Llama on a real corpus with DDP or ZeRO, or on a DP × PP × CP × TP mesh; end with
     predicted vs measured bytes, bubble and time."""
-    from mlsyslab.train.trainer import TrainConfig
-    from mlsyslab.verify.training import compare_mesh_training, compare_training
-
     _check_launch(nproc, nnodes, node_rank, master_port)
     check_positive(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, steps=steps, seq=seq, global_batch=global_batch,
                    micro_batch=micro_batch, microbatches=microbatches)  # before the layout's arithmetic divides by them
+    fork_server.start(RANK_IMPORTS)  # the ranks' server imports torch beside this process, which does next
+    from mlsyslab.train.trainer import TrainConfig
+    from mlsyslab.verify.training import compare_mesh_training, compare_training
+
     if micro_batch is not None and microbatches is not None:
         raise InvalidValue("--microbatches", microbatches, "omitted with --micro-batch (each sets the other)")
     if timeline is not None:
@@ -89,32 +90,29 @@ def train_command(
     vocab = tokenizer_vocab()
     if spec.vocab < vocab:
         raise InvalidValue("model.vocab", spec.vocab, f">= {vocab}, the vocabulary of the SmolLM2 tokenizer the corpus uses")
-    with tempfile.TemporaryDirectory(prefix="mlsys-train-") as work:
-        config_path, result_path = Path(work) / "config.json", Path(work) / "result.json"
-        config_path.write_text(jsonlib.dumps(config.__dict__))
-        import torch
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-        torch.save(corpus_tokens(CACHE / "corpus"), str(config_path) + ".tokens.pt")
-        launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}",
-                  f"--node-rank={node_rank}"]
-        if nnodes == 1 and master_addr is None:
-            launch.append("--standalone")
-        else:
-            launch += [f"--master-addr={master_addr or '127.0.0.1'}", f"--master-port={master_port or 29500}"]
-        launch += ["-m", "mlsyslab.train.worker", str(config_path), str(result_path)]
-        code, stopped_by = run_in_foreground(launch, stdout=sys.stderr if json else None)
-        if stopped_by is not None:
-            print(f"error: stopped by {stopped_by.name}: the ranks were stopped (torchrun exit code {code})"
-                  + (f"; resume from the last checkpoint with --checkpoint-dir {checkpoint_dir} --resume"
-                     if checkpoint_dir else ""), file=sys.stderr)
-            raise typer.Exit(128 + stopped_by)
-        if code != 0 or (node_rank == 0 and not result_path.exists()):
-            print(f"error: training failed (torchrun exit code {code}; the ranks' errors are above)", file=sys.stderr)
-            raise typer.Exit(1)
-        if node_rank > 0:  # global rank 0, on node 0, measured the run and writes the report there
-            print(f"node {node_rank} of {nnodes}: its ranks finished; node 0 prints the report", file=sys.stderr)
-            return
-        result = jsonlib.loads(result_path.read_text())
+    from mlsyslab.comm.launch import torchrun
+    from mlsyslab.train import worker
+
+    tokens = corpus_tokens(CACHE / "corpus").numpy()
+    try:
+        results = torchrun(worker.main, (config, tokens, json), nproc, nnodes, node_rank, master_addr, master_port,
+                           preload=RANK_IMPORTS)
+    except SignalException as stop:
+        name = signal.Signals(stop.sigval).name
+        print(f"error: stopped by {name}: the ranks were stopped"
+              + (f"; resume from the last checkpoint with --checkpoint-dir {checkpoint_dir} --resume"
+                 if checkpoint_dir else ""), file=sys.stderr)
+        raise typer.Exit(128 + stop.sigval)
+    except ChildFailedError as failure:
+        print(f"{failure}\nerror: training failed (the first rank's error is above)", file=sys.stderr)
+        raise typer.Exit(1)
+    if node_rank > 0:  # global rank 0, on node 0, measured the run and writes the report there
+        print(f"node {node_rank} of {nnodes}: its ranks finished; node 0 prints the report", file=sys.stderr)
+        return
+    result = results[0]
     if resume and result["first_step"] == 0:
         print(f"note: no checkpoint in {checkpoint_dir}: started from step 0", file=sys.stderr)
     compare = compare_mesh_training if config.on_mesh else compare_training

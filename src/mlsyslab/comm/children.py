@@ -1,23 +1,21 @@
-"""Child processes that never outlive `mlsys`: ranks spawned here, and torchrun with its ranks.
+"""Child processes that never outlive `mlsys`: the ranks it starts.
 
 A job scheduler, `timeout` or `kill` stops a command with a signal sent to it alone; left at Python's
-defaults, `mlsys` would die at once and its ranks (torchrun starts them in sessions of their own) would
-run on as orphans. So while children run, SIGTERM, SIGINT and SIGHUP are passed on to them (torchrun
-stops its ranks on each and waits for them); once they are gone the caller unwinds (temporary files
-removed) and ends as the signal would have ended it. Should `mlsys` itself be killed (SIGKILL, where
-no handler runs), Linux's parent-death signal (prctl(2) PR_SET_PDEATHSIG) sends torchrun SIGTERM.
+defaults, `mlsys` would die at once and its ranks would run on as orphans. So while `spawn`'s ranks run,
+SIGTERM, SIGINT and SIGHUP are passed on to them; once they are gone the caller unwinds and ends as the
+signal would have ended it (under `mlsys train`, torch elastic's agent does the same: `comm.launch.torchrun`).
+Should `mlsys` itself be killed (SIGKILL, where no handler runs), each rank, which watches it
+(`die_with_launcher`), ends too.
 """
 
 import contextlib
-import ctypes
+import multiprocessing
 import os
+import select
 import signal
-import subprocess
-import sys
 import threading
 
 PASSED_ON = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))  # no SIGHUP on Windows
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @contextlib.contextmanager
@@ -41,21 +39,21 @@ def passing_signals_on(send):
             signal.signal(s, old)
 
 
-def run_in_foreground(command: list[str], stdout=None) -> tuple[int, signal.Signals | None]:
-    """Run `command` to its end; return its exit code and the first signal `mlsys` received meanwhile, if any."""
-    child = subprocess.Popen(command, stdout=stdout, preexec_fn=_die_with(os.getpid()) if sys.platform == "linux" else None)
-    with passing_signals_on(lambda signum: child.poll() is None and child.send_signal(signum)) as received:
-        code = child.wait()  # resumed after each handler (PEP 475) until the child has exited
-    return code, received[0] if received else None
+def die_with_launcher() -> None:
+    """In a rank: SIGKILL to it once the process that started it has ended (at once, if it has). The rank's parent
+    is the fork server (`comm.fork_server`), which lives on while any of its forks does, so the parent-death signal
+    (prctl PR_SET_PDEATHSIG) cannot tie the rank to `mlsys`: a thread waits on a pidfd of the launcher instead
+    (Linux 5.3; elsewhere nothing is watched)."""
+    launcher = multiprocessing.parent_process()
+    if launcher is None or not hasattr(os, "pidfd_open"):
+        return
+    try:
+        watched = os.pidfd_open(launcher.pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGKILL)
 
+    def wait_for_its_end() -> None:
+        select.select([watched], [], [])  # a pidfd reads ready once its process has ended
+        os.kill(os.getpid(), signal.SIGKILL)
 
-def _die_with(parent: int):
-    """What the child runs before exec: SIGTERM to it when `parent` dies (and exit now if it already has)."""
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, in the parent: the child only calls it
-
-    def arm() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died between fork and prctl
-            os._exit(128 + signal.SIGTERM)
-
-    return arm
+    threading.Thread(target=wait_for_its_end, name="die-with-launcher", daemon=True).start()

@@ -1,11 +1,13 @@
-"""Start ranks: under `torchrun` (environment variables) or spawned locally (tests, lessons).
+"""Start ranks: under torchrun's agent (`torchrun`, what `mlsys train` uses) or spawned locally (tests, lessons).
 
 Backend by device: NCCL when the rank drives a CUDA device, gloo otherwise. Every rank gets a
 `Rank` (rank, world size, device, default timeout) that is passed explicitly — no globals below
-this file. `spawn(fn, world_size, *args)` runs `fn(rank, *args)` in new processes (forks of a server
-that has imported torch) on a free port and returns each rank's result, re-raising the first failure
-with the rank's traceback (or the exit code of a rank that died without one). A SIGTERM, SIGINT or SIGHUP
+this file. `spawn(fn, world_size, *args)` runs `fn(rank, *args)` in new processes (forks of a server that
+has imported torch: `comm.fork_server`) on a free port and returns each rank's result, re-raising the first
+failure with the rank's traceback (or the exit code of a rank that died without one). A SIGTERM, SIGINT or SIGHUP
 to the parent meanwhile stops the ranks first, then the parent (`comm.children`): none runs on as an orphan.
+`torchrun(fn, args, nproc, ...)` runs `fn(*args)` on this node's ranks under torch elastic's agent, the one the
+`torchrun` command runs, here in this process and with its ranks forked from the same server.
 """
 
 import datetime
@@ -14,22 +16,20 @@ import pickle
 import queue
 import signal
 import socket
+import tempfile
 import traceback
+import uuid
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mlsyslab.comm.children import passing_signals_on
+from mlsyslab.comm import fork_server
+from mlsyslab.comm.children import die_with_launcher, passing_signals_on
 from mlsyslab.comm.heap import keep_freed_memory
 
 DEFAULT_TIMEOUT_S = 60.0
-# Imported once by the fork server that `spawn` starts ranks from, so that each rank starts as a fork of a
-# process that has them (not a fresh interpreter importing torch, ~3 s a rank on 2 cores, and torch._dynamo,
-# which a rank's first torch.optim optimizer imports, ~2 s more). The server itself runs no torch op, so
-# no thread pool is forked.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "mlsyslab.comm.launch"]
 
 
 @dataclass(frozen=True)
@@ -82,11 +82,7 @@ def free_port() -> int:
 def spawn(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S, threads_per_rank: int = 1):
     """Run `fn(rank: Rank, *args)` on `world_size` local CPU ranks; return the list of their results."""
     port = free_port()
-    if "forkserver" in mp.get_all_start_methods():
-        context = mp.get_context("forkserver")
-        context.set_forkserver_preload(PRELOAD)
-    else:  # Windows
-        context = mp.get_context("spawn")
+    context = mp.get_context(fork_server.start_method())
     results = context.Queue()
     processes = [context.Process(target=_worker, args=(fn, r, world_size, port, timeout_s, threads_per_rank, results, args))
                  for r in range(world_size)]
@@ -129,6 +125,7 @@ def _collect(processes, results, world_size: int, timeout_s: float) -> dict:
 
 
 def _worker(fn, rank, world_size, port, timeout_s, threads, results, args):
+    die_with_launcher()
     torch.set_num_threads(threads)
     try:
         ctx = init(rank, world_size, "127.0.0.1", port, torch.device("cpu"), timeout_s)
@@ -139,3 +136,42 @@ def _worker(fn, rank, world_size, port, timeout_s, threads, results, args):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def torchrun(fn, args: tuple, nproc: int, nnodes: int = 1, node_rank: int = 0, master_addr: str | None = None,
+             master_port: int | None = None, preload: tuple[str, ...] = ()) -> dict:
+    """Run `fn(*args)` on this node's `nproc` ranks as `torchrun` would, and return {local rank: what fn returned}.
+
+    The agent is torch elastic's (`elastic_launch`), run here rather than in a `torchrun` process of its own: the
+    same rendezvous (c10d on a free port on one node; static at master_addr:master_port, node `node_rank`, across
+    nodes), the same variables for `init_from_torchrun`, no restarts (torchrun's default). Its ranks are forks of
+    `comm.fork_server`, which imports torch, torch._dynamo and `preload` once, where the command would start a
+    fresh interpreter per rank (~4 s of those imports on 2 cores) after its own (~2 s). Each rank dies with this
+    process (`comm.children.die_with_launcher`), even when SIGKILL leaves no handler to stop it. Raises elastic's
+    SignalException after a SIGTERM, SIGINT, SIGHUP or SIGQUIT to this process (the agent stops the ranks first)
+    and ChildFailedError, with the first failure's traceback, when a rank fails; the signal handlers it sets are
+    put back after, and its directory of the ranks' errors removed (torchrun leaves one in /tmp per run)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nnodes == 1 and master_addr is None:
+        rendezvous = dict(rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id=str(uuid.uuid4()))  # as --standalone
+    else:
+        rendezvous = dict(rdzv_backend="static", rdzv_endpoint=f"{master_addr or '127.0.0.1'}:{master_port or 29500}",
+                          rdzv_configs={"rank": node_rank}, run_id="none")
+    handled = [getattr(signal, name) for name in LaunchConfig.signals_to_handle.split(",") if hasattr(signal, name)]
+    previous = {signum: signal.getsignal(signum) for signum in handled}
+    with tempfile.TemporaryDirectory(prefix="mlsys-ranks-") as errors:  # where each rank's traceback goes
+        config = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, max_restarts=0,
+                              start_method=fork_server.start_method(preload), logs_specs=DefaultLogsSpecs(errors),
+                              **rendezvous)
+        try:
+            return elastic_launch(config, _torchrun_rank)(fn, *args)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+
+def _torchrun_rank(fn, *args):
+    die_with_launcher()
+    return fn(*args)

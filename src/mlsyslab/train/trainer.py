@@ -6,9 +6,9 @@ steps of `global_batch` sequences: its share split into microbatches whose gradi
 checkpoint (train/checkpoint.py); with `resume` it continues from the newest complete one, seeing the
 very batches the uninterrupted run would have. It measures what predict states: bytes held per
 category (from the tensors), activations saved for backward, bytes sent per op (the CommLog), and
-the time per step. Launched by `mlsys train` through torchrun (train/worker.py). AdamW's learning rate is
-set before each step, constant or warmed up and cosine-decayed (`TrainConfig.lr_at`), on every optimizer the rank
-steps, in both trainers; the report lists each step's. --clip-grad-norm clips the gradient to the whole model's
+the time per step. Launched by `mlsys train` under torchrun's agent (comm/launch.py, train/worker.py). AdamW's
+learning rate is set before each step, constant or warmed up and cosine-decayed (`TrainConfig.lr_at`), on every
+optimizer the rank steps, in both trainers; the report lists each step's. --clip-grad-norm clips the gradient to the whole model's
 L2 norm before each update, reporting each step's norm: DDP with torch's clip_grad_norm_ on its whole gradients,
 ZeRO from the shards (`ZeroDataParallel.step`), the mesh trainer from every rank's pieces, each counted once
 (parallel/clipping.py; not under PipeDream's schedule, whose stages step after each microbatch).
