@@ -285,7 +285,7 @@ def test_sigkill_then_resume_reproduces_the_losses_bitwise(tiny, tmp_path, capfd
     assert resumed["result"]["losses"] == reference[first:]  # bitwise: same floats
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGKILL, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
 def test_a_stopped_train_leaves_no_rank_running(tiny, tmp_path, signum):
     """A signal to `mlsys train` alone, mid-run (`timeout` and job schedulers send SIGTERM): every rank, and the
     server they are forked from, stop with it. Under SIGTERM torchrun's agent stops the ranks, exit 128 + 15; under
