@@ -8,10 +8,10 @@ very batches the uninterrupted run would have. It measures what predict states: 
 category (from the tensors), activations saved for backward, bytes sent per op (the CommLog), and
 the time per step. Launched by `mlsys train` under torchrun's agent (comm/launch.py, train/worker.py). AdamW's
 learning rate is set before each step, constant or warmed up and cosine-decayed (`TrainConfig.lr_at`), on every
-optimizer the rank steps, in both trainers; the report lists each step's. --clip-grad-norm clips the gradient to the whole model's
-L2 norm before each update, reporting each step's norm: DDP with torch's clip_grad_norm_ on its whole gradients,
-ZeRO from the shards (`ZeroDataParallel.step`), the mesh trainer from every rank's pieces, each counted once
-(parallel/clipping.py; not under PipeDream's schedule, whose stages step after each microbatch).
+optimizer the rank steps, in both trainers; the report lists each step's. --clip-grad-norm clips the gradient to
+the whole model's L2 norm before each update, reporting each step's norm: DDP with torch's clip_grad_norm_ on its
+whole gradients, ZeRO from the shards (`ZeroDataParallel.step`), the mesh trainer from every rank's pieces, each
+counted once (parallel/clipping.py; not under PipeDream's schedule, whose stages step after each microbatch).
 
 With --tp / --pp / --cp > 1 the same loop runs `parallel.mesh.composed_step` on a device mesh
 (DP × PP × CP × TP, with EP inside DP; `train_on_mesh`) and measures the bytes each dimension sends, the

@@ -22,6 +22,7 @@ def main(config: TrainConfig, tokens: np.ndarray, stdout_to_stderr: bool) -> dic
         os.dup2(2, 1)
     rank = init_from_torchrun()
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, int(rank.world_size))))
+    data = torch.from_numpy(tokens)
     try:
         if rank.rank == 0 and sys.stdout.isatty():
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -32,9 +33,9 @@ def main(config: TrainConfig, tokens: np.ndarray, stdout_to_stderr: bool) -> dic
             with Progress(*columns) as bar:
                 task = bar.add_task("train", total=config.steps, loss=float("nan"), tps=0.0)
                 report = lambda step, loss, tps: bar.update(task, completed=step, loss=loss, tps=tps)  # noqa: E731
-                result = train(rank, config, torch.from_numpy(tokens), report)
+                result = train(rank, config, data, report)
         else:
-            result = train(rank, config, torch.from_numpy(tokens))
+            result = train(rank, config, data)
         return result.to_dict() if rank.rank == 0 else None
     finally:
         dist.destroy_process_group()
