@@ -43,14 +43,16 @@ def die_with_launcher() -> None:
     """In a rank: SIGKILL to it once the process that started it has ended (at once, if it has). The rank's parent
     is the fork server (`comm.fork_server`), which lives on while any of its forks does, so the parent-death signal
     (prctl PR_SET_PDEATHSIG) cannot tie the rank to `mlsys`: a thread waits on a pidfd of the launcher instead
-    (Linux 5.3; elsewhere nothing is watched)."""
+    (Linux 5.3 on; where there are none, nothing is watched)."""
     launcher = multiprocessing.parent_process()
     if launcher is None or not hasattr(os, "pidfd_open"):
         return
     try:
         watched = os.pidfd_open(launcher.pid)
-    except ProcessLookupError:
+    except ProcessLookupError:  # it has ended already
         os.kill(os.getpid(), signal.SIGKILL)
+    except OSError:  # no pidfds here (a kernel before 5.3, or a sandbox that refuses the call): nothing is watched
+        return
 
     def wait_for_its_end() -> None:
         select.select([watched], [], [])  # a pidfd reads ready once its process has ended
