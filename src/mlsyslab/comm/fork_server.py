@@ -3,8 +3,10 @@
 A rank started as a fresh interpreter imports torch (~2 s on 2 cores, each rank beside the others) and, at its
 first torch.optim optimizer, torch._dynamo (~2 s more); forked from a server that imported them once, it starts
 in a fraction of a second. The server runs no torch op itself, so no thread pool is forked, and it exits when the
-process that started it does. Importing this file does not import torch: `start` lets the server's imports run
-beside the caller's own (`mlsys train` starts it before it imports torch itself).
+process that started it does. A rank sees the environment variables the server started with, plus those its
+launcher sets for it (torchrun's RANK, WORLD_SIZE, ...): not what the parent changed in between. Importing this
+file does not import torch: `start` lets the server's imports run beside the caller's own (`mlsys train` starts it
+before it imports torch itself).
 """
 
 import multiprocessing
