@@ -6,6 +6,7 @@ import typer
 
 from mlsyslab.cli.options import Json, check_positive
 from mlsyslab.cli.render import console, emit_json, human, seconds, table
+from mlsyslab.comm import fork_server
 
 
 def calibrate_command(
@@ -17,6 +18,7 @@ def calibrate_command(
     """Matmul FLOP/s, memory bandwidth, kernel overhead, and the all-reduce alpha-beta of gloo and of the shared memory
     TP and data parallelism alone take, for N ranks → --hardware local."""
     check_positive(64, nproc=nproc, threads=threads)  # processes and threads on this machine
+    fork_server.start(("mlsyslab.measure.calibrate",))  # the ranks' server imports torch beside this process
     from mlsyslab.measure.calibrate import calibrate
     from mlsyslab.specs.catalog import LOCAL_HARDWARE
 

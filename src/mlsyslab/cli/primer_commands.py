@@ -6,6 +6,7 @@ import typer
 
 from mlsyslab.cli.options import Json, check_positive
 from mlsyslab.cli.render import console, emit_json, human, seconds, table
+from mlsyslab.comm import fork_server
 from mlsyslab.errors import InvalidValue
 
 PROGRAMS = ("hello", "chain", "deadlock", "cheat-sheet", "mean", "argmax", "bandwidth")
@@ -22,6 +23,7 @@ def primer_command(
     check_positive(64, nproc=nproc)  # processes on this machine
     if name in ("deadlock", "bandwidth") and nproc < 2:  # one rank has no one to deadlock with or send to
         raise InvalidValue("--nproc", nproc, f">= 2 for the {name}")
+    fork_server.start(("mlsyslab.comm.primer",))  # the ranks' server imports torch beside this process
     import torch
 
     from mlsyslab.comm import primer
