@@ -14,13 +14,14 @@ import multiprocessing.forkserver
 
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "mlsyslab.comm.launch")
 _preload = list(PRELOAD)  # what the server will import when it starts: PRELOAD and what callers added
+AVAILABLE = "forkserver" in multiprocessing.get_all_start_methods()  # not on Windows
 
 
 def preload(modules: tuple[str, ...]) -> None:
     """Have the server import `modules` too when it starts (each rank imports what its function needs anyway:
     ~0.3 s for the parallel and train packages). Once the server runs this changes nothing."""
     _preload.extend(name for name in modules if name not in _preload)
-    if "forkserver" in multiprocessing.get_all_start_methods():
+    if AVAILABLE:
         multiprocessing.get_context("forkserver").set_forkserver_preload(_preload)
 
 
@@ -28,7 +29,7 @@ def start_method(modules: tuple[str, ...] = ()) -> str:
     """The start method for local ranks: the fork server, `modules` added to what it imports when it starts;
     spawn where there is none (Windows)."""
     preload(modules)
-    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    return "forkserver" if AVAILABLE else "spawn"
 
 
 def start(modules: tuple[str, ...] = ()) -> None:
