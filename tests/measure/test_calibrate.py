@@ -1,4 +1,4 @@
-"""`mlsys calibrate`'s spec: what the twin reads back, and the vocabulary projection's measured rate."""
+"""`mlsys calibrate`'s spec: what the twin reads back, and the vocabulary projection's measured cost."""
 
 import platform
 
@@ -7,23 +7,24 @@ import pytest
 
 from mlsyslab.cli.options import resolve_assumptions, resolve_hardware
 from mlsyslab.measure.calibrate import calibrate
-from mlsyslab.predict.architecture import parameters
 from mlsyslab.predict.layout import Layout
-from mlsyslab.predict.training import matmul_efficiency, predict_training
+from mlsyslab.predict.training import predict_training
 from mlsyslab.specs import catalog
 
 
-def test_the_output_projection_efficiency_slows_the_logits_products_alone():
+def test_the_output_projection_bytes_are_timed_per_logit_on_the_last_stage_alone():
     model, hardware = catalog.model("SmolLM2-135M"), resolve_hardware("h100", None, "bf16")[0]
-    layout = Layout.of(dp=8, tp=2, micro_batch=2, global_batch=64, seq=1024)
     base = resolve_assumptions(None)
-    slower = base.override({"output_projection_efficiency": 0.5})
-    t, tokens = 2.0, 2 * 1024
-    logits_s = 3 * 2 * tokens * parameters(model).output_projection / t / (
-        hardware.peak_flops * matmul_efficiency(model.hidden / t, base))
-    microbatches = 64 / 8 / 2
-    step = lambda a: float(predict_training(model, hardware, layout, assumptions=a).step_s.reshape(-1)[0])  # noqa: E731
-    assert step(slower) - step(base) == pytest.approx(microbatches * logits_s, rel=1e-9)  # twice the time: one more
+    more = base.override({"output_projection_bytes_per_logit": 40.0})
+    t, tokens, microbatches = 2.0, 2 * 1024, 64 / 8 / 2
+    logits_s = 40.0 * tokens * model.vocab / t / (hardware.hbm_bw * base.memory_bandwidth_efficiency)
+    step = lambda layout, a: float(predict_training(model, hardware, layout, assumptions=a).step_s.reshape(-1)[0])  # noqa: E731
+    unpipelined = Layout.of(dp=8, tp=2, micro_batch=2, global_batch=64, seq=1024)
+    assert step(unpipelined, more) - step(unpipelined, base) == pytest.approx(microbatches * logits_s, rel=1e-9)
+    # a pipeline's first stage holds no head: its own time does not change
+    pipelined = Layout.of(dp=4, tp=2, pp=2, micro_batch=2, global_batch=64, seq=1024)
+    first = lambda a: predict_training(model, hardware, pipelined, assumptions=a, stage="first")  # noqa: E731
+    assert float(first(more).time_s["compute"].reshape(-1)[0]) == float(first(base).time_s["compute"].reshape(-1)[0])
 
 
 def test_tensor_parallel_all_reduces_take_their_own_alpha_and_beta():
@@ -62,7 +63,7 @@ def test_calibrate_writes_a_spec_the_twin_reads(tmp_path):
     hardware, measured = resolve_hardware(None, path, "fp32")
     assumptions = resolve_assumptions(None, measured)
     assert hardware.peak_flops == spec["accelerator"]["peak_flops"]["fp32"] > 0
-    assert 0 < assumptions.output_projection_efficiency <= 1
+    assert np.isfinite(assumptions.output_projection_bytes_per_logit) and assumptions.output_projection_bytes_per_logit >= 0
     shared = "shared_memory_all_reduce_s_by_bytes" in spec["measured"]  # ranks of one x86 host: TP's own transport
     assert shared == (platform.machine() in ("x86_64", "AMD64"))
     assert (assumptions.shared_memory_latency_factor, assumptions.shared_memory_bandwidth_factor) != (1.0, 1.0) or not shared

@@ -5,19 +5,22 @@ training ranks under torchrun run one thread each; `mlsys serve`'s engine is one
 core), each rank measures, at the same time as the others:
 - matmul FLOP/s for a layer's three GEMMs of widths 32…1024 as a training step runs them (the forward product, the
   input gradient and the weight gradient: transposed operands run slower than the forward one at narrow widths,
-  79 against 98 GFLOP/s at width 128 on one Zen 4 core) — the fastest is the peak, and the curve fits predict's
+  79 against 98 GFLOP/s at width 128 on one Zen 4 core) — the fastest width is the peak, and the curve fits predict's
   efficiency η(w) = η_max · w/(w + w_half) (least squares over w_half);
-- the vocabulary projection's rate: the same three products over 512 tokens x 256 inputs x 32,768 outputs, as a
-  fraction of the layer GEMMs' at width 256 (its result is far larger than the caches);
+- the vocabulary projection's extra cost: the same three products over a microbatch of 512 tokens x 128 inputs x
+  49,152 outputs (SmolLM2's vocabulary, which `mlsys train`'s corpus has), beyond the time a width-128 layer GEMM's rate
+  gives them, as bytes per logit at the copy bandwidth: their 100 MB of logits, written and read twice, outgrow the
+  caches, and what that costs scales with the logits, not the FLOPs (0.6-0.99 of the layer rate from width 64 to 512,
+  but 2-5 ns a logit at each, on one Zen 3 core);
 - memory bandwidth: a large tensor copy (bytes read + written per second);
 - the per-kernel overhead of eager PyTorch: a tiny op's forward + backward, per op;
-- the loss: cross-entropy forward + backward over fp32 logits, as equivalent bytes per logit;
+- the loss: cross-entropy forward + backward over the same fp32 logits, as equivalent bytes per logit;
 - the collective alpha-beta: gloo all-reduce times over 4 KB…16 MB; β from the slope of
   t = 2(n−1)·α + 2(n−1)/n · M/β, α from the 4 KB time; and the same for the shared-memory all-reduce that tensor
   parallelism (and data parallelism alone) takes between ranks of one x86 host (`comm/shared_memory.py`), as the assumptions
   `shared_memory_latency_factor` and `shared_memory_bandwidth_factor` (its α and β over gloo's; 1 where it does
   not apply).
-The result is a hardware spec (accelerator + system + the fitted assumptions) at
+Every time is the median of several timings (the twin predicts a run's median step). The result is a hardware spec (accelerator + system + the fitted assumptions) at
 ~/.cache/mlsyslab/hardware/local.yaml, which `--hardware local` reads.
 """
 
@@ -36,7 +39,8 @@ from mlsyslab.measure.host import machine_memory_bytes
 from mlsyslab.specs.catalog import LOCAL_HARDWARE
 
 WIDTHS = (32, 64, 128, 256, 512, 1024)
-OUTPUT_PROJECTION = (256, 32_768)  # inputs, outputs (a vocabulary) of the projection whose rate is measured
+LOGITS = (512, 49_152)  # tokens, vocabulary of the logits the head and the loss are timed over
+HEAD_WIDTH = 128  # the head's inputs there (one of WIDTHS: its products' time is taken beyond that width's rate)
 ALL_REDUCE_BYTES = (4_096, 65_536, 1_048_576, 4_194_304, 16_777_216)
 
 
@@ -50,18 +54,19 @@ def calibrate(nproc: int, path: Path = LOCAL_HARDWARE, threads: int = 1) -> dict
 
 
 def _measure(rank: Rank) -> dict:
-    bandwidth = _copy_bandwidth()
-    return {"matmul": {w: _matmul_flops(w) for w in WIDTHS}, "bf16_matmul": _matmul_flops(512, torch.bfloat16),
-            "output_projection": _matmul_flops(OUTPUT_PROJECTION[0], outputs=OUTPUT_PROJECTION[1]),
+    bandwidth, matmul = _copy_bandwidth(), {w: _matmul_flops(w) for w in WIDTHS}
+    return {"matmul": matmul, "bf16_matmul": _matmul_flops(512, torch.bfloat16),
+            "output_projection_bytes_per_logit": _output_projection_bytes_per_logit(bandwidth, matmul[HEAD_WIDTH]),
             "bandwidth": bandwidth, "loss_bytes_per_logit": _loss_bytes_per_logit(bandwidth),
             "kernel_s": _kernel_overhead(), "all_reduce": _all_reduce_times(rank, dist.all_reduce),
             "shared_memory_all_reduce": _shared_memory_all_reduce_times(rank)}
 
 
-def _best_time(fn, repeats: int = 5, min_s: float = 0.05) -> float:
-    """The fastest of `repeats` timings of fn (each timing loops until `min_s` passed)."""
+def _typical_time(fn, repeats: int = 5, min_s: float = 0.05) -> float:
+    """The median of `repeats` timings of fn (each timing loops until `min_s` passed): the twin predicts a run's median
+    step, and on a shared host the fastest timing runs ~10% under the median (AVX2 host, 2026-11-28)."""
     fn()
-    best = float("inf")
+    timings = []
     for _ in range(repeats):
         count, start = 0, time.perf_counter()
         while True:
@@ -70,14 +75,13 @@ def _best_time(fn, repeats: int = 5, min_s: float = 0.05) -> float:
             elapsed = time.perf_counter() - start
             if elapsed >= min_s:
                 break
-        best = min(best, elapsed / count)
-    return best
+        timings.append(elapsed / count)
+    return statistics.median(timings)
 
 
-def _matmul_flops(width: int, dtype=torch.float32, outputs: int | None = None) -> float:
-    """A linear layer's forward, input-gradient and weight-gradient products: tokens x width inputs, `outputs`
-    (default: width) outputs."""
-    rows, outputs = max(256, 65_536 // width), outputs or width
+def _linear_products_s(rows: int, width: int, outputs: int, dtype=torch.float32, repeats: int = 5) -> float:
+    """Seconds for a linear layer's forward, input-gradient and weight-gradient products: rows x width inputs,
+    `outputs` outputs."""
     x, weight, grad = (torch.randn(*shape, dtype=dtype) for shape in ((rows, width), (outputs, width), (rows, outputs)))
 
     def products():
@@ -85,16 +89,31 @@ def _matmul_flops(width: int, dtype=torch.float32, outputs: int | None = None) -
         torch.mm(grad, weight)
         torch.mm(grad.t(), x)
 
-    return 3 * 2 * rows * width * outputs / _best_time(products)
+    return _typical_time(products, repeats)
+
+
+def _matmul_flops(width: int, dtype=torch.float32) -> float:
+    """FLOP/s of a layer's three products at `width` inputs and outputs."""
+    rows = max(256, 65_536 // width)
+    return 3 * 2 * rows * width * width / _linear_products_s(rows, width, width, dtype)
+
+
+def _output_projection_bytes_per_logit(bandwidth: float, layer_flops: float) -> float:
+    """The head's three products over LOGITS beyond their time at a HEAD_WIDTH layer GEMM's rate (`layer_flops`), as
+    the bytes per logit that take as long at `bandwidth` (0 where they keep the layer rate)."""
+    rows, vocab = LOGITS
+    seconds = _linear_products_s(rows, HEAD_WIDTH, vocab, repeats=3)
+    return max(0.0, seconds - 3 * 2 * rows * HEAD_WIDTH * vocab / layer_flops) * bandwidth / (rows * vocab)
 
 
 def _copy_bandwidth(numel: int = 32_000_000) -> float:
     source, target = torch.ones(numel), torch.empty(numel)
-    return 2 * 4 * numel / _best_time(lambda: target.copy_(source), repeats=3)
+    return 2 * 4 * numel / _typical_time(lambda: target.copy_(source), repeats=3)
 
 
-def _loss_bytes_per_logit(bandwidth: float, rows: int = 256, vocab: int = 32_768) -> float:
-    """Cross-entropy forward + backward over fp32 logits, as the bytes per logit that take as long."""
+def _loss_bytes_per_logit(bandwidth: float) -> float:
+    """Cross-entropy forward + backward over fp32 LOGITS, as the bytes per logit that take as long."""
+    rows, vocab = LOGITS
     logits = torch.randn(rows, vocab, requires_grad=True)
     targets = torch.randint(0, vocab, (rows,))
 
@@ -102,7 +121,7 @@ def _loss_bytes_per_logit(bandwidth: float, rows: int = 256, vocab: int = 32_768
         torch.nn.functional.cross_entropy(logits, targets).backward()
         logits.grad = None
 
-    return _best_time(loss, repeats=3) * bandwidth / (rows * vocab)
+    return _typical_time(loss, repeats=3) * bandwidth / (rows * vocab)
 
 
 def _kernel_overhead() -> float:
@@ -116,7 +135,7 @@ def _kernel_overhead() -> float:
             y = y * 1.0001
         y.backward()
 
-    return _best_time(chain) / (3 * ops)  # each op: forward, its backward, the gradient accumulation
+    return _typical_time(chain) / (3 * ops)  # each op: forward, its backward, the gradient accumulation
 
 
 def _all_reduce_times(rank: Rank, all_reduce) -> dict:
@@ -182,8 +201,8 @@ def _spec(nproc: int, threads: int, measured: list) -> dict:
                    "sequence_parallel_regather_overlap": 0.0, "eager_activations": True,  # as nn/ saves them
                    "shared_memory_latency_factor": float(shm_alpha / alpha),
                    "shared_memory_bandwidth_factor": float(shm_beta / beta),
-                   "output_projection_efficiency": min(1.0, float(statistics.median(
-                       m["output_projection"] for m in measured)) / flops[OUTPUT_PROJECTION[0]]),
+                   "output_projection_bytes_per_logit": float(statistics.median(
+                       m["output_projection_bytes_per_logit"] for m in measured)),
                    "loss_bytes_per_logit": float(statistics.median(m["loss_bytes_per_logit"] for m in measured))}
     return {"accelerator": accelerator, "system": system, "assumptions": assumptions,
             "measured": {"matmul_flops_by_width": {int(w): float(f) for w, f in flops.items()},

@@ -24,10 +24,12 @@ class Assumptions:
         250.0, "GEMM width per device (hidden/TP) at which matmul efficiency is half its maximum: "
         "efficiency = max · w/(w + w_half); narrow GEMMs fill fewer SMs (wave quantisation) and "
         "spend more of their time in prologue, epilogue and launch")
-    output_projection_efficiency: float = documented(
-        1.0, "the vocabulary projection's matmul rate (forward and both gradients) as a fraction of a layer GEMM's "
-        "at the same width: its tokens x vocab result is far larger than a CPU's caches (on one Zen 4 core 77 against "
-        "99 GFLOP/s at width 256, 32,768 words); 1 on GPUs; `mlsys calibrate` measures it")
+    output_projection_bytes_per_logit: float = documented(
+        0.0, "memory bytes per logit the vocabulary projection's three products (forward and both gradients) take "
+        "beyond their FLOPs at a layer GEMM's rate: their tokens x vocab fp32 logits, written once and read twice, "
+        "outgrow a CPU's caches, and the time lost scales with the logits, not the width (on one Zen 3 core 2-5 ns a "
+        "logit at widths 64-512 with 49,152 words); 0 on GPUs, whose GEMMs hide their output under the FLOPs; "
+        "`mlsys calibrate` measures it")
     memory_bandwidth_efficiency: float = documented(
         0.8, "fraction of peak HBM bandwidth a memory-bound kernel (elementwise, softmax, decode GEMV) reaches")
     elementwise_bytes_per_token_per_hidden: float = documented(

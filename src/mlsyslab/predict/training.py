@@ -3,7 +3,8 @@
 Per microbatch, each rank of the slowest pipeline stage spends (the stages split by cost as our pipeline splits them,
 predict/pipeline.py: with a large output layer the last holds fewer layers, and another stage may be the slowest):
   compute     matmul FLOP / (peak · η(h/t)), η(w) = η_max · w/(w + w_half), plus memory-bound
-              kernels (norms, activations, residuals; unfused attention scores) at HBM speed;
+              kernels (norms, activations, residuals; unfused attention scores; the loss, and the logits'
+              traffic beyond the head's FLOPs) at HBM speed;
   TP          2 all-reduces forward, 2 backward (+2 when the forward is recomputed) of s·b·h
               activations per layer (Shoeybi et al. 2019); with sequence parallelism each becomes a
               reduce-scatter + all-gather of the same bytes (Korthikanti et al. 2022);
@@ -101,17 +102,15 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     passes = 3 + full  # forward, backward (2x); full recompute repeats the layers' forward (not the logits)
     hardware_flops = passes * layer_matmul_fwd + 3 * logits_fwd + (passes + selective) * attention_fwd
     peak = hw.peak_flops * matmul_efficiency(model.hidden / t, a)
-    # the vocabulary projection's three products run at their own rate (output_projection_efficiency); counted
-    # at the layers' rate in hardware_flops (HFU), and here the time they take beyond it
-    logits_beyond = 3 * logits_fwd / peak * (1 / np.float64(a.output_projection_efficiency) - 1)
     sp_shard = np.where(layout.sequence_parallel, t, 1.0)
     elementwise = a.elementwise_bytes_per_token_per_hidden * model.hidden / sp_shard * tokens * layers * passes
     scores = 0.0 if a.flash_attention else 2 * 5 * model.heads * layout.seq * tokens / t * layers * (passes + selective)
-    # The loss: fp32 logits written, softmax read and written, and their gradient, on the last stage.
-    loss_bytes = a.loss_bytes_per_logit * tokens * model.vocab / t * head
+    # The loss: fp32 logits written, softmax read and written, and their gradient, on the last stage; and the bytes
+    # the vocabulary projection's products move beyond their FLOPs (counted at the layers' rate in hardware_flops).
+    loss_bytes = (a.loss_bytes_per_logit + a.output_projection_bytes_per_logit) * tokens * model.vocab / t * head
     memory_bw = hw.hbm_bw * a.memory_bandwidth_efficiency
     launches = a.kernel_overhead_s * a.kernels_per_layer * layers * passes
-    compute = hardware_flops / peak + logits_beyond + (elementwise + scores + loss_bytes) / memory_bw + launches
+    compute = hardware_flops / peak + (elementwise + scores + loss_bytes) / memory_bw + launches
 
     # Tensor parallel: 4 collectives of s·b·h per layer (6 with recompute), all-reduce-equivalent.
     act_bytes = tokens * model.hidden * width
