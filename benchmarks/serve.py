@@ -217,13 +217,13 @@ def twin_of(dtype: str, args) -> dict:
     --hardware local` prints it; None before `mlsys calibrate`)."""
     from mlsyslab.cli.options import resolve_assumptions, resolve_hardware
     from mlsyslab.errors import InvalidValue
-    from mlsyslab.serve.twin import check_calibration, predicted_tpot
+    from mlsyslab.serve.twin import check_calibration, compute_dtype, predicted_tpot
     from mlsyslab.specs.catalog import LOCAL_HARDWARE
 
     model, _, name = load_pretrained("default", dtype)
     tpot = dict.fromkeys(args.loads)
     if LOCAL_HARDWARE.exists():
-        hardware, measured = resolve_hardware("local", None, dtype)
+        hardware, measured = resolve_hardware("local", None, compute_dtype("local", dtype))
         try:
             check_calibration(hardware)
             tpot = {load: predicted_tpot(model, name, hardware, resolve_assumptions(None, measured), load,

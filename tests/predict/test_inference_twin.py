@@ -70,3 +70,28 @@ def test_the_twin_refuses_a_spec_measured_per_rank_of_several():
     hardware, _ = resolve_hardware("h100", None, "bf16")  # 8 accelerators a node, as 8 ranks would measure
     with pytest.raises(InvalidValue, match="calibrate --nproc 1"):
         check_calibration(hardware)
+
+
+@pytest.mark.parametrize("has_bf16_dot", [False, True])
+def test_the_twin_takes_the_fp32_peak_where_this_engine_widens_bf16(monkeypatch, has_bf16_dot):
+    """Without a bf16 dot product the engine multiplies bf16 weights in fp32 (the streamed kernel widens them, wide
+    steps take an fp32 copy), so the twin resolves the local spec's fp32 peak; the weights' bytes stay bf16."""
+    import torch
+
+    from mlsyslab.cli.options import resolve_hardware
+    from mlsyslab.nn import cpu_kernels
+    from mlsyslab.serve.twin import compute_dtype, predicted_tpot
+
+    monkeypatch.setattr(cpu_kernels, "cpu_has_bf16_dot", lambda: has_bf16_dot)
+    assert compute_dtype("local", "bf16") == ("bf16" if has_bf16_dot else "fp32")
+    assert compute_dtype("local", "fp32") == "fp32" and compute_dtype("h100", "bf16") == "bf16"
+
+    hardware, _ = resolve_hardware("h100", None, "fp32")
+    config = LlamaConfig(vocab=64, hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, ffn_hidden=128, max_seq=64)
+    model = Llama(config).to(torch.bfloat16)
+    spec = config.to_spec("tiny", sum(p.numel() for p in model.parameters()), "test")
+    tpot = predicted_tpot(model, "tiny", hardware, Assumptions(), 1, 16, 16)
+    at = lambda weights: float(predict_inference(  # noqa: E731
+        spec, hardware, 1, 16, 16, weight_dtype=weights, kv_dtype="bf16",
+        assumptions=Assumptions().override({"kernels_per_layer": 0.5})).itl_s)
+    assert tpot == pytest.approx(at("bf16"), rel=1e-12) and at("bf16") < at("fp32")

@@ -284,11 +284,13 @@ def bench_serve_command(
                      ("--model", model, "default"), ("--dtype", dtype, "fp32"), ("--threads", threads, None),
                      ("--kv-cache-gb", kv_cache_gb, 1.0), ("--max-batched-tokens", max_batched_tokens, None),
                      ("--cache-dir", cache_dir, None))
-    twin = resolve_hardware(hardware, None, dtype) if hardware is not None else None
-    if twin is not None and hardware == "local":
-        from mlsyslab.serve.twin import check_calibration
+    twin = None
+    if hardware is not None:
+        from mlsyslab.serve.twin import check_calibration, compute_dtype
 
-        check_calibration(twin[0])
+        twin = resolve_hardware(hardware, None, compute_dtype(hardware, dtype))
+        if hardware == "local":
+            check_calibration(twin[0])
     if url is not None:
         if prefix_ablation:
             raise InvalidValue("--prefix-ablation", True, "only without --url (it restarts our own server)")
