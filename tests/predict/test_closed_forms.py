@@ -117,6 +117,29 @@ def test_pipedream_stashes_weight_versions_and_updates_per_microbatch():
     assert every > 64 * one
 
 
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_bubble_is_the_fill_and_drain_through_the_other_stages(pp, schedule):
+    """A 4-layer model whose output layer outweighs its layers: the cost-balanced split gives the last stage one layer
+    and the head, the others the rest. The step's pipeline part (m slots of the slowest stage and the bubble) is what
+    the schedule takes, simulated with each stage's slot, not (m + p − 1) slots of the slowest."""
+    from mlsyslab.parallel.schedules import build, timeline
+
+    model = Model(name="head-heavy", source="test", family="llama", hidden=128, layers=4, heads=4, kv_heads=2,
+                  ffn_hidden=384, vocab=49152, tied_embeddings=True, max_seq=512, published_params=7_079_040)
+    hardware = Hardware.of(*catalog.hardware("h100"), "bf16")
+    layout = Layout.of(pp=pp, micro_batch=1, global_batch=8, seq=128, schedule=schedule)
+    slowest, first = (predict_training(model, hardware, layout, stage=stage) for stage in ("slowest", "first"))
+    assert float(slowest.stages.last) == 1 and float(first.stages.first) == 4 - (pp - 1) and bool(slowest.slowest_is_last)
+    slot = lambda prediction: sum(float(prediction.time_s[part]) for part in (  # noqa: E731
+        "compute", "tensor_parallel", "expert_parallel", "context_parallel", "pipeline_p2p")) / 8
+    costs = [slot(first)] * (pp - 1) + [slot(slowest)]  # the first stage's rank holds what each other one holds
+    simulated = timeline(build(schedule, pp, 8), stage_costs=costs).makespan * sum(costs) / pp / 3  # units of a slot
+    predicted = 8 * slot(slowest) + float(slowest.time_s["pipeline_bubble"])
+    assert predicted == pytest.approx(simulated, rel=1e-9)
+    assert predicted < (8 + pp - 1) * slot(slowest)  # the equal-stage count overstates it
+
+
 def test_sequence_parallel_regathers_are_timed_where_not_hidden():
     """Under SP each column-parallel entry all-gathers its input again in backward (2 a dense layer, each s·b·h):
     hidden behind the input gradient's GEMM by default (Megatron), timed in full at overlap 0 (ours: calibrate's);

@@ -14,7 +14,8 @@ predict/pipeline.py: with a large output layer the last holds fewer layers, and 
               gradients, accumulated in fp32), hidden behind attention compute when it is shorter
               (Liu et al. 2023);
   PP          a send forward and backward per microbatch between stages.
-A step is (m + (p − 1)/v) such slots (the bubble), then the exposed part of the data-parallel
+A step is m such slots, the fill and drain through the other stages (the bubble: (p − 1)/v slots when the stages are
+equal), then the exposed part of the data-parallel
 traffic (2Ψ per step; ZeRO-2 (m+1)Ψ, ZeRO-3 3mΨ with m microbatches), then the optimizer step (memory-bound; on the
 CPU under offload; under PipeDream one per microbatch, each followed by the copy of the weights its new version
 stashes). MFU counts model FLOPs (3 × forward); HFU adds recomputation.
@@ -33,7 +34,7 @@ from mlsyslab.predict.assumptions import DEFAULT, Assumptions
 from mlsyslab.predict.hardware import Hardware
 from mlsyslab.predict.layout import Layout
 from mlsyslab.predict.memory import TrainingMemory, stage_parameters, training_memory
-from mlsyslab.predict.pipeline import StageLayers, pipeline_bubble_fraction, pipeline_slots, stage_layers
+from mlsyslab.predict.pipeline import StageLayers, pipeline_bubble_fraction, stage_layers
 from mlsyslab.specs.schema import DTYPE_BYTES, Model
 
 TIME_PARTS = ("compute", "tensor_parallel", "expert_parallel", "context_parallel", "pipeline_p2p",
@@ -86,10 +87,12 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     # computes the logits. Every per-rank term below is linear in these.
     if first:
         layers, moe_layers, head = stages.first[None], stages.first_moe[None], np.where(p == 1, 1.0, 0.0)[None]
-    else:
-        layers = np.stack([stages.last, stages.busiest_other])
-        moe_layers = np.stack([stages.last_moe, stages.busiest_other_moe])
-        head = np.stack([np.ones_like(p), np.zeros_like(p)])
+    else:  # the last, the busiest other, and the mean of the others (for the bubble)
+        others = np.maximum(p - 1, 1)
+        layers = np.stack([stages.last, stages.busiest_other, (model.layers - stages.last) / others])
+        moe_layers = np.stack([stages.last_moe, stages.busiest_other_moe,
+                               (breakdown.moe_layers - stages.last_moe) / others])
+        head = np.stack([np.ones_like(p), np.zeros_like(p), np.zeros_like(p)])
     full = layout.recompute == 2
     selective = layout.recompute == 1
 
@@ -173,13 +176,18 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     p2p_time = p2p_time * (1 - a.pipeline_p2p_overlap)
 
     slot = compute + tp_time * (1 - a.tensor_parallel_overlap) + ep_time * (1 - a.expert_all_to_all_overlap) + cp_time + p2p_time
-    other = slot[-1] > slot[0]  # the busiest other rank is the slower (a tie goes to the last; one row: itself)
-    timed = lambda x: np.where(other, *np.broadcast_to(x, slot.shape)[[-1, 0]])  # noqa: E731
+    other = np.logical_and(not first, slot[min(1, len(slot) - 1)] > slot[0])  # the busiest other is the slower (a tie
+    # goes to the last)
+    # The fill and drain: a microbatch's slot on each stage but the slowest, once (Huang et al. 2019, GPipe), over v
+    # virtual stages (Narayanan et al. 2021): (p − 1)/v slots when the stages are equal; under the cost-balanced split
+    # the output layer can leave the last far costlier than the others, which then fill and drain in less. (A rank of
+    # the first stage, stage="first", counts the stages as equal.)
+    fill_and_drain = (p - 1) * slot[0] if first else (p - 1) * slot[2] + np.where(other, slot[0] - slot[1], 0.0)
+    timed = lambda x: np.where(other, *np.broadcast_to(x, slot.shape)[[min(1, len(slot) - 1), 0]])  # noqa: E731
     slowest_is_last = np.logical_and(not first, ~other)
     slot, compute, tp_time, ep_time, cp_time, p2p_time, tp_bytes, ep_bytes, cp_bytes, layers = (
         timed(x) for x in (slot, compute, tp_time, ep_time, cp_time, p2p_time, tp_bytes, ep_bytes, cp_bytes, layers))
-    slots = pipeline_slots(p, m, v)
-    bubble = (slots - m) * slot
+    bubble = fill_and_drain / v
 
     # Data parallel, in units of one all-reduce of the gradients (2Ψ(N−1)/N): ZeRO-0/1 reduce once per
     # step; ZeRO-2 reduce-scatters every microbatch's gradients then all-gathers the weights once,
@@ -214,7 +222,7 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     optimizer_time = np.where(pipedream, m, 1.0) * np.where(layout.offload, offloaded, on_device) \
         + np.where(pipedream, m * 2 * width * local / memory_bw, 0.0)
 
-    step = slots * slot + dp_exposed + optimizer_time
+    step = m * slot + bubble + dp_exposed + optimizer_time
     seq = np.asarray(layout.seq, dtype=float)  # products of int64 sizes wrap past 9.2e18 (a 1e8-token sweep)
     step_tokens = layout.global_batch * seq
     model_flops = step_tokens * training_flops_per_token(model, layout.seq)
