@@ -83,11 +83,13 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     tokens = layout.micro_batch * layout.seq / c  # tokens per microbatch on one rank
     stages = stage_layers(model, layout)  # the cost-balanced split our pipeline runs
     first = stage == "first"
-    # The ranks timed, along a leading axis: the decoder layers each holds, of them with experts, and whether it
+    # The ranks timed, along a leading axis: the last, the busiest other and the mean of the others (for the bubble), or
+    # a rank of the first stage in each row; the decoder layers each holds, of them with experts, and whether it
     # computes the logits. Every per-rank term below is linear in these.
     if first:
-        layers, moe_layers, head = stages.first[None], stages.first_moe[None], np.where(p == 1, 1.0, 0.0)[None]
-    else:  # the last, the busiest other, and the mean of the others (for the bubble)
+        layers, moe_layers = (np.stack([x] * 3) for x in (stages.first, stages.first_moe))
+        head = np.stack([np.where(p == 1, 1.0, 0.0)] * 3)
+    else:
         others = np.maximum(p - 1, 1)
         layers = np.stack([stages.last, stages.busiest_other, (model.layers - stages.last) / others])
         moe_layers = np.stack([stages.last_moe, stages.busiest_other_moe,
@@ -176,14 +178,12 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     p2p_time = p2p_time * (1 - a.pipeline_p2p_overlap)
 
     slot = compute + tp_time * (1 - a.tensor_parallel_overlap) + ep_time * (1 - a.expert_all_to_all_overlap) + cp_time + p2p_time
-    other = np.logical_and(not first, slot[min(1, len(slot) - 1)] > slot[0])  # the busiest other is the slower (a tie
-    # goes to the last)
+    other = slot[1] > slot[0]  # the busiest other rank is the slower (a tie goes to the last)
     # The fill and drain: a microbatch's slot on each stage but the slowest, once (Huang et al. 2019, GPipe), over v
     # virtual stages (Narayanan et al. 2021): (p − 1)/v slots when the stages are equal; under the cost-balanced split
-    # the output layer can leave the last far costlier than the others, which then fill and drain in less. (A rank of
-    # the first stage, stage="first", counts the stages as equal.)
-    fill_and_drain = (p - 1) * slot[0] if first else (p - 1) * slot[2] + np.where(other, slot[0] - slot[1], 0.0)
-    timed = lambda x: np.where(other, *np.broadcast_to(x, slot.shape)[[min(1, len(slot) - 1), 0]])  # noqa: E731
+    # the output layer can leave the last far costlier than the others, which then fill and drain in less.
+    fill_and_drain = (p - 1) * slot[2] + np.where(other, slot[0] - slot[1], 0.0)
+    timed = lambda x: np.where(other, *np.broadcast_to(x, slot.shape)[[1, 0]])  # noqa: E731
     slowest_is_last = np.logical_and(not first, ~other)
     slot, compute, tp_time, ep_time, cp_time, p2p_time, tp_bytes, ep_bytes, cp_bytes, layers = (
         timed(x) for x in (slot, compute, tp_time, ep_time, cp_time, p2p_time, tp_bytes, ep_bytes, cp_bytes, layers))
