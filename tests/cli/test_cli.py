@@ -29,6 +29,32 @@ def run_json(capsys, monkeypatch, *args):
     return json.loads(out)
 
 
+@pytest.mark.parametrize("has_bf16_dot", [False, True])
+def test_predict_serve_on_local_takes_the_peak_our_engine_multiplies_bf16_at(capsys, monkeypatch, tmp_path,
+                                                                            has_bf16_dot):
+    """`--hardware local` predicts our engine: without a bf16 dot product it multiplies bf16 weights in fp32, so the
+    fp32 peak (a calibrated torch bf16 matmul can be 40x slower there); the weights stay 2 bytes either way."""
+    import yaml
+
+    from mlsyslab.serve import config
+    from mlsyslab.specs import catalog
+
+    spec = {"accelerator": {"name": "local", "vendor": "this machine", "kind": "cpu", "launch_year": 2026,
+                            "peak_flops": {"fp32": 100e9, "bf16": 2.5e9}, "hbm_bytes": 24e9, "hbm_bw": 25e9,
+                            "sram_bytes": 1e6, "scale_up_bw": 1e15, "tdp_w": 1.0, "source": "test"},
+            "system": {"name": "local", "accelerators_per_node": 1, "scale_up_domain": 1, "scale_out_bw": 1e15,
+                       "pcie_bw": 25e9, "topology": "single-node", "source": "test"}}
+    (tmp_path / "local.yaml").write_text(yaml.safe_dump(spec))
+    monkeypatch.setattr(catalog, "LOCAL_HARDWARE", tmp_path / "local.yaml")
+    monkeypatch.setattr(config, "cpu_has_bf16_dot", lambda: has_bf16_dot)
+    serve = lambda dtype: run_json(capsys, monkeypatch, "predict", "serve", "--model", "SmolLM2-135M",  # noqa: E731
+                                   "--hardware", "local", "--dtype", dtype, "--batch", "1", "--prompt-tokens", "128")
+    bf16, fp32 = serve("bf16"), serve("fp32")
+    assert bf16["weight_bytes_per_gpu"] == fp32["weight_bytes_per_gpu"] / 2
+    assert (bf16["ttft_s"] > 10 * fp32["ttft_s"]) == has_bf16_dot  # at the 2.5 GFLOP/s bf16 peak only with a dot product
+    assert (bf16["itl_s"] < fp32["itl_s"]) != has_bf16_dot  # else a decode step reads half the bytes at the same peak
+
+
 TRAIN_KEYS = {"feasible", "reason", "step_s", "mfu", "hfu", "tflops_per_gpu", "memory_per_gpu_bytes",
               "time_breakdown_s", "assumptions"}
 

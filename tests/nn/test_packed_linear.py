@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from mlsyslab.nn.llama import Llama, LlamaConfig
+from mlsyslab.measure import host
 from mlsyslab.nn import cpu_kernels, packed_linear
 from mlsyslab.nn.packed_linear import (
     FusedPackedLinear,
@@ -84,7 +85,7 @@ def test_small_steps_stream_on_every_cpu(monkeypatch, packs_bf16, panels, amx, d
     runnable = dtype == torch.float32 or not packs_bf16 or packed_linear.onednn_packs_bf16()
     monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: packs_bf16)
     monkeypatch.setattr(cpu_kernels, "panels", lambda _: panels)
-    monkeypatch.setattr(cpu_kernels, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(host, "cpu_has_amx", lambda: amx)
     assert kernel_plan(dtype) == plan
     if runnable:
         check_every_row_count(dtype)

@@ -79,10 +79,11 @@ def test_the_twin_takes_the_fp32_peak_where_this_engine_widens_bf16(monkeypatch,
     import torch
 
     from mlsyslab.cli.options import resolve_hardware
-    from mlsyslab.nn import cpu_kernels
-    from mlsyslab.serve.twin import compute_dtype, predicted_tpot
+    from mlsyslab.serve import config
+    from mlsyslab.serve.config import compute_dtype
+    from mlsyslab.serve.twin import predicted_tpot
 
-    monkeypatch.setattr(cpu_kernels, "cpu_has_bf16_dot", lambda: has_bf16_dot)
+    monkeypatch.setattr(config, "cpu_has_bf16_dot", lambda: has_bf16_dot)
     assert compute_dtype("local", "bf16") == ("bf16" if has_bf16_dot else "fp32")
     assert compute_dtype("local", "fp32") == "fp32" and compute_dtype("h100", "bf16") == "bf16"
 

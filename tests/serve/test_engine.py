@@ -145,7 +145,7 @@ def test_bf16_weights_run_wide_steps_on_their_exact_fp32_copy():
     fp32 model's."""
     import copy
 
-    from mlsyslab.nn.cpu_kernels import cpu_has_bf16_dot
+    from mlsyslab.measure.host import cpu_has_bf16_dot
     from tests.serve.tiny import block_bytes, greedy_reference, tiny_model
 
     model = tiny_model(dtype=torch.bfloat16)

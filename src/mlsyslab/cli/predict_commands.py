@@ -138,7 +138,10 @@ def predict_serve(
     assume: Assume = None, json: Json = False, explain: Explain = False,
 ):
     """Prefill (TTFT) and decode (ITL) time, KV cache and concurrency of one serving replica."""
-    spec, hw, assumptions = resolve(model, model_spec, hardware, hardware_spec, dtype, assume)
+    from mlsyslab.serve.config import compute_dtype  # on local: our engine's products, at the peak of the dtype they run in
+
+    spec, hw, assumptions = resolve(model, model_spec, hardware, hardware_spec, compute_dtype(hardware, dtype), assume)
+    weight_dtype, kv_dtype = weight_dtype or dtype, kv_dtype or dtype
     check_positive(tp=tp, batch=batch, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
     for field, value in (("--weight-dtype", weight_dtype), ("--kv-dtype", kv_dtype)):
         if value is not None and value not in DTYPES:

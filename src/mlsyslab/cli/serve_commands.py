@@ -286,7 +286,8 @@ def bench_serve_command(
                      ("--cache-dir", cache_dir, None))
     twin = None
     if hardware is not None:
-        from mlsyslab.serve.twin import check_calibration, compute_dtype
+        from mlsyslab.serve.config import compute_dtype
+        from mlsyslab.serve.twin import check_calibration
 
         twin = resolve_hardware(hardware, None, compute_dtype(hardware, dtype))
         if hardware == "local":

@@ -40,32 +40,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mlsyslab.measure.host import cpu_description
+
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 HEAD_DIMS = (32, 64, 128)
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-@functools.cache
-def cpu_description() -> tuple[str, frozenset[str]]:
-    """The CPU's model name and feature flags (Linux /proc/cpuinfo; the platform's names and no flags
-    where it cannot tell)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return f"{platform.processor()} {platform.machine()}", frozenset()
-    first = lambda key: next((line.split(":", 1)[1].strip() for line in lines if line.startswith(key)), "")  # noqa: E731
-    return first("model name"), frozenset(first("flags").split())
-
-
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX tiles for bf16 (False where it cannot tell)."""
-    return "amx_bf16" in cpu_description()[1]
-
-
-def cpu_has_bf16_dot() -> bool:
-    """Whether this CPU multiplies bf16 pairs in one instruction (AVX512_BF16's dot product or AMX tiles), so
-    that oneDNN's bf16 GEMM does twice the multiply-adds of its fp32 one (False where it cannot tell)."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_description()[1])
 
 
 def panels(dtype: torch.dtype) -> bool:

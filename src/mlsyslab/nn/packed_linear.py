@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mlsyslab.measure import host
 from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.llama import Llama
 
@@ -141,7 +142,7 @@ def streamed_below(dtype: torch.dtype) -> float:
     if cpu_kernels.panels(dtype):
         if dtype == torch.float32:
             return 96
-        if not cpu_kernels.cpu_has_amx():
+        if not host.cpu_has_amx():
             return math.inf
     return 4 if onednn_packs_bf16() else 16
 
@@ -152,7 +153,7 @@ def wide_kernel_plan(dtype: torch.dtype) -> tuple[tuple[float, Kernel], ...]:
     if dtype == torch.float32:
         return (3, Kernel.PLAIN), (math.inf, Kernel.PACKED)
     if onednn_packs_bf16():
-        return ((256, Kernel.PACKED), (math.inf, Kernel.PLAIN)) if cpu_kernels.cpu_has_amx() else ((math.inf, Kernel.PACKED),)
+        return ((256, Kernel.PACKED), (math.inf, Kernel.PLAIN)) if host.cpu_has_amx() else ((math.inf, Kernel.PACKED),)
     return ((math.inf, Kernel.PLAIN),)
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mlsyslab.measure import host
 from mlsyslab.nn import cpu_kernels
 
 
@@ -177,7 +178,7 @@ def attention(query, keys, values, mask, causal: bool) -> torch.Tensor:
     than its fp32 one; with them bf16 is 2.1x faster (240 causal 128-token chunks of SmolLM2's heads:
     33 ms against 71 here) and rounds as HF's bf16 attention does."""
     on_cpu_16_bit = query.dtype in (torch.bfloat16, torch.float16) and query.device.type == "cpu"
-    widen = on_cpu_16_bit and not (query.dtype == torch.bfloat16 and cpu_kernels.cpu_has_amx())
+    widen = on_cpu_16_bit and not (query.dtype == torch.bfloat16 and host.cpu_has_amx())
     compute = torch.float32 if widen else query.dtype  # (an fp32 cache of a bf16 model holds bf16 values)
     query, keys, values = query.to(compute), keys.to(compute), values.to(compute)
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)

@@ -6,6 +6,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlsyslab.errors import InvalidValue
+from mlsyslab.measure.host import cpu_has_bf16_dot
+
+
+def compute_dtype(hardware: str, dtype: str) -> str:
+    """The dtype whose peak the engine's products run at on `hardware` with `dtype` weights: what its twins resolve the
+    hardware for (the weights' bytes stay `dtype`'s).
+
+    On this machine (local), where the CPU has no bf16 dot product the engine multiplies bf16 weights in fp32 (its
+    streamed kernel widens them; steps from 16 tokens take an fp32 copy: `Engine.wide_step_model`), so the peak is the
+    fp32 one: the spec's bf16 peak is torch's own bf16 matmul, 3.2 GFLOP/s against 128 in fp32 on two Zen 3 cores, at
+    which the twin predicted a 94 ms bf16 step where 11.4 ms were measured (2026-11-28)."""
+    widens = hardware == "local" and dtype == "bf16" and not cpu_has_bf16_dot()
+    return "fp32" if widens else dtype
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from mlsyslab.serve.sampling_params import SamplingParams
 def predicted_tpot(model: Llama, name: str, hardware, assumptions: Assumptions, concurrency: int,
                    prompt_tokens: int, output_tokens: int) -> float:
     """Seconds per decode step of `model` served by this engine with `concurrency` requests in flight, on `hardware`
-    resolved for `compute_dtype`."""
+    resolved for `serve.config.compute_dtype`."""
     parameter = next(model.parameters())
     spec = model.config.to_spec(name, sum(p.numel() for p in model.parameters()), "the loaded model's config")
     label = {torch_dtype(label): label for label in DTYPE_NAMES}
@@ -43,18 +43,6 @@ def predicted_tpot(model: Llama, name: str, hardware, assumptions: Assumptions, 
                                    weight_dtype=label[parameter.dtype],
                                    kv_dtype=label[kv_cache_dtype(parameter, model.config.head_dim)], assumptions=counted)
     return float(prediction.itl_s)
-
-
-def compute_dtype(hardware: str, dtype: str) -> str:
-    """The dtype whose peak this engine's products run at on `hardware` with `dtype` weights (resolve the hardware for
-    it; `predicted_tpot` takes the weights' bytes from the model).
-
-    On this machine (local), where the CPU has no bf16 dot product the engine multiplies bf16 weights in fp32 (its
-    streamed kernel widens them; steps from 16 tokens take an fp32 copy: `Engine.wide_step_model`), so the peak is the
-    fp32 one: the spec's bf16 peak is torch's own bf16 matmul, 3.2 GFLOP/s against 128 in fp32 on two Zen 3 cores, at
-    which the twin predicted a 94 ms bf16 step where 11.4 ms were measured (2026-11-28)."""
-    widens = hardware == "local" and dtype == "bf16" and not cpu_kernels.cpu_has_bf16_dot()
-    return "fp32" if widens else dtype
 
 
 def check_calibration(hardware) -> None:
