@@ -42,13 +42,12 @@ import torch
 
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama
-from mlsyslab.measure import host
 from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.fused_decode import FusedDecode
 from mlsyslab.nn.packed_linear import can_pack, packed_for_inference
 from mlsyslab.nn.paged_attention import DecodeSteps, PagedAttention, SequenceSlice
 from mlsyslab.nn.tokenizer import Tokenizer
-from mlsyslab.serve.config import EngineConfig
+from mlsyslab.serve.config import EngineConfig, default_fp32_steps_from
 from mlsyslab.serve.grammar import Grammars, constrain_draft, grammar_draft
 from mlsyslab.serve.kv_cache import KVCache
 from mlsyslab.serve.output import Delta, OutputTracker, RequestOutput
@@ -98,7 +97,8 @@ class Engine:
         multiply-adds per cycle than its fp32 one and pays for the conversions (an AVX-512 host read
         190-210 GFLOP/s in bf16 against 320-400 in fp32 for a 1024-token prefill, fp32 ahead from about
         16 rows; AVX2 CPUs, where oneDNN cannot pack bf16, run it on the plain weight): there steps of 16
-        tokens or more take the copy. Where it can (`measure.host.cpu_has_bf16_dot`: AVX512_BF16 or AMX),
+        tokens or more take the copy (`serve.config.default_fp32_steps_from`). Where it can
+        (`measure.host.cpu_has_bf16_dot`: AVX512_BF16 or AMX),
         bf16 is the faster GEMM and there is no copy: on Zen 4 (AVX512_BF16, 2026-11-25) oneDNN's packed
         bf16 matmul over SmolLM2's matrices took 0.50-0.58x the fp32 one's time at 16-1024 rows, and the
         engine without the copy prefilled 1,000 tokens in 1.00 s against 1.45 s and decoded 16 sequences
@@ -112,7 +112,7 @@ class Engine:
             return None, 0
         wide_from = self.config.fp32_steps_from
         if wide_from is None:
-            wide_from = 0 if host.cpu_has_bf16_dot() else 16
+            wide_from = default_fp32_steps_from()
         if wide_from <= 0:
             return None, 0
         return self.serving_copy(copy.deepcopy(model).float(), wide_from)[0], wide_from
