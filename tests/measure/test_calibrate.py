@@ -7,6 +7,7 @@ import pytest
 
 from mlsyslab.cli.options import resolve_assumptions, resolve_hardware
 from mlsyslab.measure.calibrate import calibrate
+from mlsyslab.predict.architecture import parameters
 from mlsyslab.predict.layout import Layout
 from mlsyslab.predict.training import predict_training
 from mlsyslab.specs import catalog
@@ -68,6 +69,20 @@ def test_calibrate_writes_a_spec_the_twin_reads(tmp_path):
     assert shared == (platform.machine() in ("x86_64", "AMD64"))
     assert (assumptions.shared_memory_latency_factor, assumptions.shared_memory_bandwidth_factor) != (1.0, 1.0) or not shared
     assert assumptions.loss_bytes_per_logit > 0 and assumptions.kernel_overhead_s > 0
+    assert assumptions.optimizer_bytes_per_parameter > 0 and assumptions.gradient_accumulation_bytes_per_parameter > 0
     prediction = predict_training(catalog.model("SmolLM2-135M"), hardware, Layout.of(dp=2, micro_batch=1,
                                   global_batch=2, seq=128), assumptions=assumptions)
     assert np.isfinite(prediction.step_s).all()
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_gradient_accumulation_is_paid_every_microbatch_over_the_rank_s_whole_gradients(zero):
+    """Every microbatch hands on all the rank's gradients (added into the accumulated ones, or copied into a bucket),
+    ZeRO or not: the shards come after."""
+    model, hardware = catalog.model("SmolLM2-135M"), resolve_hardware("h100", None, "bf16")[0]
+    base = resolve_assumptions(None)
+    more = base.override({"gradient_accumulation_bytes_per_parameter": 12.0})
+    layout = Layout.of(dp=8, zero=zero, micro_batch=2, global_batch=64, seq=1024)  # 4 microbatches a rank
+    step = lambda a: float(predict_training(model, hardware, layout, assumptions=a).step_s.reshape(-1)[0])  # noqa: E731
+    per_microbatch = 12.0 * parameters(model).total() / (hardware.hbm_bw * base.memory_bandwidth_efficiency)
+    assert step(more) - step(base) == pytest.approx(4 * per_microbatch, rel=1e-9)

@@ -15,6 +15,9 @@ core), each rank measures, at the same time as the others:
 - memory bandwidth: a large tensor copy (bytes read + written per second);
 - the per-kernel overhead of eager PyTorch: a tiny op's forward + backward, per op;
 - the loss: cross-entropy forward + backward over the same fp32 logits, as equivalent bytes per logit;
+- the memory-bound work on the parameters, as bytes per parameter at the copy bandwidth: the trainers' AdamW step
+  (`train.trainer.adamw`, one tensor at a time: ~60 where a fused step moves 36) and a gradient's accumulation (`grad +=
+  new`, done on every microbatch), over PARAMETERS fp32 weights in tensors larger than the last-level cache;
 - the collective alpha-beta: gloo all-reduce times over 4 KB…16 MB; β from the slope of
   t = 2(n−1)·α + 2(n−1)/n · M/β, α from the 4 KB time; and the same for the shared-memory all-reduce that tensor
   parallelism (and data parallelism alone) takes between ranks of one x86 host (`comm/shared_memory.py`), as the assumptions
@@ -42,6 +45,8 @@ WIDTHS = (32, 64, 128, 256, 512, 1024)
 LOGITS = (512, 49_152)  # tokens, vocabulary of the logits the head and the loss are timed over
 HEAD_WIDTH = 128  # the head's inputs there (one of WIDTHS: its products' time is taken beyond that width's rate)
 ALL_REDUCE_BYTES = (4_096, 65_536, 1_048_576, 4_194_304, 16_777_216)
+PARAMETERS = (4, 8_388_608)  # tensors, elements each (32 MB in fp32, past a CPU's last-level cache, as a large model's
+# tensors and its embedding are): the weights the optimizer and the accumulation are timed over
 
 
 def calibrate(nproc: int, path: Path = LOCAL_HARDWARE, threads: int = 1) -> dict:
@@ -58,6 +63,7 @@ def _measure(rank: Rank) -> dict:
     return {"matmul": matmul, "bf16_matmul": _matmul_flops(512, torch.bfloat16),
             "output_projection_bytes_per_logit": _output_projection_bytes_per_logit(bandwidth, matmul[HEAD_WIDTH]),
             "bandwidth": bandwidth, "loss_bytes_per_logit": _loss_bytes_per_logit(bandwidth),
+            **_parameter_bytes(bandwidth),
             "kernel_s": _kernel_overhead(), "all_reduce": _all_reduce_times(rank, dist.all_reduce),
             "shared_memory_all_reduce": _shared_memory_all_reduce_times(rank)}
 
@@ -122,6 +128,26 @@ def _loss_bytes_per_logit(bandwidth: float) -> float:
         logits.grad = None
 
     return _typical_time(loss, repeats=3) * bandwidth / (rows * vocab)
+
+
+def _parameter_bytes(bandwidth: float) -> dict:
+    """An AdamW step and a gradient accumulation over PARAMETERS, as bytes per parameter at `bandwidth`."""
+    from mlsyslab.train.trainer import adamw
+
+    tensors, numel = PARAMETERS
+    weights = [torch.nn.Parameter(torch.randn(numel)) for _ in range(tensors)]
+    new = [torch.randn(numel) for _ in range(tensors)]
+    for weight in weights:
+        weight.grad = torch.randn(numel)
+    optimizer = adamw(weights)
+
+    def accumulate():
+        for weight, gradient in zip(weights, new):
+            weight.grad += gradient
+
+    per_parameter = bandwidth / (tensors * numel)
+    return {"optimizer_bytes_per_parameter": _typical_time(optimizer.step, repeats=3) * per_parameter,
+            "gradient_accumulation_bytes_per_parameter": _typical_time(accumulate, repeats=3) * per_parameter}
 
 
 def _kernel_overhead() -> float:
@@ -203,7 +229,9 @@ def _spec(nproc: int, threads: int, measured: list) -> dict:
                    "shared_memory_bandwidth_factor": float(shm_beta / beta),
                    "output_projection_bytes_per_logit": float(statistics.median(
                        m["output_projection_bytes_per_logit"] for m in measured)),
-                   "loss_bytes_per_logit": float(statistics.median(m["loss_bytes_per_logit"] for m in measured))}
+                   **{name: float(statistics.median(m[name] for m in measured)) for name in (
+                       "loss_bytes_per_logit", "optimizer_bytes_per_parameter",
+                       "gradient_accumulation_bytes_per_parameter")}}
     return {"accelerator": accelerator, "system": system, "assumptions": assumptions,
             "measured": {"matmul_flops_by_width": {int(w): float(f) for w, f in flops.items()},
                          "all_reduce_s_by_bytes": {int(s): float(t) for s, t in zip(ALL_REDUCE_BYTES, seconds)},

@@ -71,13 +71,14 @@ class DataParallel(nn.Module):
 
     def _launch(self, index: int) -> None:
         flat = self._flat[index]
-        for p, view in zip(self.buckets[index], self._views[index]):
+        for p, view in zip(self.buckets[index], self._views[index]):  # each gradient into its view, averaged on the way
             if p.grad is None:  # no gradient this step (or zero_grad(set_to_none=True) dropped the view)
                 view.zero_()
             elif p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
+                torch.div(p.grad, self.rank.world_size, out=view)
+            else:
+                view.div_(self.rank.world_size)
             p.grad = view
-        flat.div_(self.rank.world_size)
         if self.shared is not None:  # done on return
             traced(self.log, "all_reduce", nbytes(flat), self.rank.world_size, self.shared.all_reduce, flat)
             works = []

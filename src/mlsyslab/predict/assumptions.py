@@ -79,7 +79,15 @@ class Assumptions:
     context_parallel_overlap: float = documented(1.0, "fraction of ring-attention K/V transfer that can hide behind attention compute")
     optimizer_bytes_per_parameter: float = documented(
         36.0, "HBM bytes a fused mixed-precision Adam step reads and writes per local parameter "
-        "(fp32 master, m, v read+write = 24; gradient read 4; bf16 weight write 2; plus slack)")
+        "(fp32 master, m, v read+write = 24; gradient read 4; bf16 weight write 2; plus slack); torch's AdamW one "
+        "tensor at a time, as our trainers step it, moves ~60 at a copy's bandwidth (its temporaries: the square "
+        "root, the denominator), which `mlsys calibrate` measures")
+    gradient_accumulation_bytes_per_parameter: float = documented(
+        0.0, "memory bytes per parameter a rank moves every microbatch handing its weight gradients on, beyond the "
+        "products that compute them: eager PyTorch adds each new gradient into the one accumulated (AccumulateGrad's "
+        "`grad += new`, 12 bytes in fp32) or copies it into a communication bucket (DDP on its last microbatch, "
+        "ZeRO-2/3 on every one); 0 where the weight-gradient GEMM accumulates in place (Megatron's gradient "
+        "accumulation fusion); `mlsys calibrate` measures the add at the copy bandwidth")
     gradient_reduce_bytes: float = documented(2.0, "bytes per gradient element on the wire (bf16/fp16 reduction)")
     cpu_adam_parameters_per_s: float = documented(1.0e9, "parameters per second a node's CPUs update with Adam under offload")
     memory_usable_fraction: float = documented(

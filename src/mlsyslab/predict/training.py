@@ -37,6 +37,8 @@ from mlsyslab.predict.memory import TrainingMemory, stage_parameters, training_m
 from mlsyslab.predict.pipeline import StageLayers, pipeline_bubble_fraction, stage_layers
 from mlsyslab.specs.schema import DTYPE_BYTES, Model
 
+# The step's parts; "optimizer" is the memory-bound work on the rank's parameters: the update, and the gradients'
+# accumulation every microbatch.
 TIME_PARTS = ("compute", "tensor_parallel", "expert_parallel", "context_parallel", "pipeline_p2p",
               "pipeline_bubble", "data_parallel", "optimizer")
 
@@ -216,11 +218,14 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     # Optimizer step over this rank's shard: HBM-bound, or CPU-bound with a PCIe round trip under offload.
     local = dense_params / np.where(layout.zero >= 1, d, 1.0) + expert_params / np.where(layout.zero >= 1, expert_dp, 1.0)
     on_device = local * a.optimizer_bytes_per_parameter / memory_bw
+    # and every microbatch, the rank's whole gradients (before any ZeRO sharding) handed on: added into those
+    # accumulated, or copied into a bucket
+    gradient_handling = m * (dense_params + expert_params) * a.gradient_accumulation_bytes_per_parameter / memory_bw
     pcie = max(hw.pcie_bw, 1.0)
     offloaded = local * hw.accelerators_per_node / a.cpu_adam_parameters_per_s + 2 * width * local / pcie
     pipedream = layout.schedule == 3  # an update after every microbatch's backward, and a stashed copy of each version
     optimizer_time = np.where(pipedream, m, 1.0) * np.where(layout.offload, offloaded, on_device) \
-        + np.where(pipedream, m * 2 * width * local / memory_bw, 0.0)
+        + np.where(pipedream, m * 2 * width * local / memory_bw, 0.0) + gradient_handling
 
     step = m * slot + bubble + dp_exposed + optimizer_time
     seq = np.asarray(layout.seq, dtype=float)  # products of int64 sizes wrap past 9.2e18 (a 1e8-token sweep)

@@ -68,6 +68,12 @@ STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 LR_SCHEDULES = ("constant", "cosine")
 
 
+def adamw(params, lr: float = 3e-4) -> torch.optim.AdamW:
+    """The optimizer both trainers step (and `mlsys calibrate` times for the twin): torch's AdamW, one tensor at a
+    time (foreach=False: no list-wide temporaries beside a rank's largest tensors)."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, foreach=False)
+
+
 @dataclass
 class TrainConfig:
     model: dict  # a catalog Model spec (specs.schema.Model fields)
@@ -281,7 +287,7 @@ def train(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progress=None) 
     log = CommLog()
     model = build_model(config, torch.float32)
     parameters = sum(p.numel() for p in model.parameters())
-    optimizer_factory = lambda params: torch.optim.AdamW(params, lr=config.lr, weight_decay=0.1, foreach=False)  # noqa: E731
+    optimizer_factory = lambda params: adamw(params, config.lr)  # noqa: E731
     if config.strategy == "ddp":
         if config.bf16:
             model = model.to(torch.bfloat16)
@@ -366,15 +372,15 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
                               config.sequence_parallel)
     module = pipeline.chunks if pipeline is not None else model
     held = list(module.parameters())
-    adamw = lambda params: torch.optim.AdamW(params, lr=config.lr, weight_decay=0.1, foreach=False)  # noqa: E731
+    optimizer_factory = lambda params: adamw(params, config.lr)  # noqa: E731
     zero = None
     tied = (model.embed_tokens.weight,) if pipeline is not None and model.config.tied_embeddings else ()
     if config.strategy != "ddp":
-        zero = MeshZero(model, module, mesh, config.zero_stage, adamw, config.bucket_bytes, logs["data_parallel"], tied,
+        zero = MeshZero(model, module, mesh, config.zero_stage, optimizer_factory, config.bucket_bytes, logs["data_parallel"], tied,
                         mixed_precision=config.bf16, offload=config.offload, norm_log=logs.get("gradient_norm"))
     weights = None if zero else piece_weights(held, mesh, split_parameters(module), expert_parameters(model), tied,
                                               sharded=False)  # clipping's count of each gradient piece
-    optimizer = adamw(held) if zero is None else None  # under ZeRO the wrappers own the optimizers
+    optimizer = optimizer_factory(held) if zero is None else None  # under ZeRO the wrappers own the optimizers
     zeros = zero.zeros if zero is not None else []
     state = lambda: checkpoint.mesh_state(rank, module, optimizer, zeros)  # noqa: E731
     start = 0
