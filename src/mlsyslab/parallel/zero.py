@@ -254,13 +254,17 @@ class _FlatBucket:
         if self.stage == 1:
             source = self.flat_grad
         else:  # stage 2: gather the fresh gradients into a temporary, then drop the full ones
-            source = torch.zeros_like(self.flat)
+            source = torch.empty_like(self.flat)  # each piece written once: a gradient, or zeros where there is none
             offset = 0
             for p in self.params:
+                piece = source[offset: offset + p.numel()]
                 if p.grad is not None:
-                    source[offset: offset + p.numel()].copy_(p.grad.reshape(-1))
+                    piece.copy_(p.grad.reshape(-1))
                     p.grad = None
+                else:
+                    piece.zero_()
                 offset += p.numel()
+            source[offset:].zero_()  # the padding
         self._incoming = torch.empty_like(self.slice)
         works = shared_memory.start_sharded(log, "reduce_scatter", self.shared, self.rank, self._incoming, source)
         self.pending = Pending(works, self.rank, "ZeRO gradient reduce-scatter", tuple(source.shape), (source,))

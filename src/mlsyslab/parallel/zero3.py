@@ -138,7 +138,12 @@ class _Unit:
         for p in unique:
             flat[offsets[id(p)]: offsets[id(p)] + p.numel()].copy_(p.detach().reshape(-1))
         self.shard = nn.Parameter(flat[rank.rank * size: (rank.rank + 1) * size].clone())
-        self.slots = [(module, name, offsets[id(p)], p.shape) for module, name, p in slots]
+        # The parameters are pieces of one split of the buffer, so that backward assembles the unit's gradient in one
+        # pass (split's backward concatenates); a slice per parameter would give each a zero-filled buffer-sized
+        # gradient for autograd to add up: k passes over the buffer for a unit of k parameters.
+        self.split_sizes = [p.numel() for p in unique] + [self.padded - numel]
+        index = {id(p): i for i, p in enumerate(unique)}
+        self.slots = [(module, name, index[id(p)], p.shape) for module, name, p in slots]
         for module, name, _, _ in self.slots:  # the module no longer owns these parameters
             module._parameters.pop(name, None)
             object.__setattr__(module, name, None)
@@ -169,8 +174,9 @@ class _Unit:
             self.live = _GatherUnit.apply(self.shard, self) if torch.is_grad_enabled() else buffer
             self.incoming = None
             owner._live_storages[buffer.untyped_storage().data_ptr()] = self
-            for slot_module, name, offset, shape in self.slots:
-                object.__setattr__(slot_module, name, self.live[offset: offset + shape.numel()].view(shape))
+            pieces = torch.split(self.live, self.split_sizes)
+            for slot_module, name, piece, shape in self.slots:
+                object.__setattr__(slot_module, name, pieces[piece].view(shape))
             self.users_left = self._users
             following = owner.neighbour(self, +1)
             if following is not None and following.live is None and following.prefetched is None:
