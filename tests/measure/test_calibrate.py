@@ -69,6 +69,7 @@ def test_calibrate_writes_a_spec_the_twin_reads(tmp_path):
     assert shared == (platform.machine() in ("x86_64", "AMD64"))
     assert (assumptions.shared_memory_latency_factor, assumptions.shared_memory_bandwidth_factor) != (1.0, 1.0) or not shared
     assert assumptions.loss_bytes_per_logit > 0 and assumptions.kernel_overhead_s > 0
+    assert assumptions.attention_efficiency > 0
     assert assumptions.optimizer_bytes_per_parameter > 0 and assumptions.gradient_accumulation_bytes_per_parameter > 0
     prediction = predict_training(catalog.model("SmolLM2-135M"), hardware, Layout.of(dp=2, micro_batch=1,
                                   global_batch=2, seq=128), assumptions=assumptions)
@@ -86,3 +87,16 @@ def test_gradient_accumulation_is_paid_every_microbatch_over_the_rank_s_whole_gr
     step = lambda a: float(predict_training(model, hardware, layout, assumptions=a).step_s.reshape(-1)[0])  # noqa: E731
     per_microbatch = 12.0 * parameters(model).total() / (hardware.hbm_bw * base.memory_bandwidth_efficiency)
     assert step(more) - step(base) == pytest.approx(4 * per_microbatch, rel=1e-9)
+
+
+def test_attention_takes_its_own_rate():
+    """Training attention's FLOPs (2·s·(d_qk + d_v) a token a layer forward, three passes) at the GEMMs' rate times
+    attention_efficiency; the products keep theirs."""
+    model, hardware = catalog.model("SmolLM2-135M"), resolve_hardware("h100", None, "bf16")[0]
+    base = resolve_assumptions(None)
+    slower = base.override({"attention_efficiency": 0.5})
+    layout = Layout.of(dp=1, micro_batch=2, global_batch=2, seq=1024)
+    compute = lambda a: float(predict_training(model, hardware, layout, assumptions=a).time_s["compute"].reshape(-1)[0])  # noqa: E731
+    gemm_rate = hardware.peak_flops * base.matmul_efficiency_max * model.hidden / (model.hidden + base.matmul_half_efficiency_width)
+    attention_flops = 3 * 2 * 2 * 1024 * 1024 * 2 * model.heads * model.attention_head_dim * model.layers
+    assert compute(slower) - compute(base) == pytest.approx(attention_flops / gemm_rate * (1 / 0.5 - 1), rel=1e-9)

@@ -30,6 +30,7 @@ def calibrate_command(
         ("peak matmul (fp32)", human(chip["peak_flops"]["fp32"], "FLOP/s")),
         ("peak matmul (bf16)", human(chip["peak_flops"]["bf16"], "FLOP/s")),
         ("matmul efficiency fit", f"{fitted['matmul_efficiency_max']:.2f} · w/(w + {fitted['matmul_half_efficiency_width']:.0f})"),
+        ("attention (causal SDPA) over the GEMMs' rate", f"{fitted['attention_efficiency']:.2f}"),
         ("vocabulary projection beyond its FLOPs", f"{fitted['output_projection_bytes_per_logit']:.1f} bytes per logit"),
         ("loss (cross-entropy, forward + backward)", f"{fitted['loss_bytes_per_logit']:.1f} bytes per logit"),
         ("optimizer step (AdamW)", f"{fitted['optimizer_bytes_per_parameter']:.1f} bytes per parameter"),

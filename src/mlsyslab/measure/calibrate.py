@@ -7,6 +7,8 @@ core), each rank measures, at the same time as the others:
   input gradient and the weight gradient: transposed operands run slower than the forward one at narrow widths,
   79 against 98 GFLOP/s at width 128 on one Zen 4 core) — the fastest width is the peak, and the curve fits predict's
   efficiency η(w) = η_max · w/(w + w_half) (least squares over w_half);
+- attention: torch's causal SDPA, forward and backward, at ATTENTION (batch, heads, tokens, head dim), on the FLOPs
+  predict counts for it (the causal half included), over the fitted GEMM rate at that width: `attention_efficiency`;
 - the vocabulary projection's extra cost: the same three products over a microbatch of 512 tokens x 128 inputs x
   49,152 outputs (SmolLM2's vocabulary, which `mlsys train`'s corpus has), beyond the time a width-128 layer GEMM's rate
   gives them, as bytes per logit at the copy bandwidth: their 100 MB of logits, written and read twice, outgrow the
@@ -45,6 +47,7 @@ WIDTHS = (32, 64, 128, 256, 512, 1024)
 LOGITS = (512, 49_152)  # tokens, vocabulary of the logits the head and the loss are timed over
 HEAD_WIDTH = 128  # the head's inputs there (one of WIDTHS: its products' time is taken beyond that width's rate)
 ALL_REDUCE_BYTES = (4_096, 65_536, 1_048_576, 4_194_304, 16_777_216)
+ATTENTION = (1, 8, 256, 64)  # batch, heads, tokens, head dim of the attention timed
 PARAMETERS = (4, 8_388_608)  # tensors, elements each (32 MB in fp32, past a CPU's last-level cache, as a large model's
 # tensors and its embedding are): the weights the optimizer and the accumulation are timed over
 
@@ -60,7 +63,7 @@ def calibrate(nproc: int, path: Path = LOCAL_HARDWARE, threads: int = 1) -> dict
 
 def _measure(rank: Rank) -> dict:
     bandwidth, matmul = _copy_bandwidth(), {w: _matmul_flops(w) for w in WIDTHS}
-    return {"matmul": matmul, "bf16_matmul": _matmul_flops(512, torch.bfloat16),
+    return {"matmul": matmul, "bf16_matmul": _matmul_flops(512, torch.bfloat16), "attention": _attention_flops(),
             "output_projection_bytes_per_logit": _output_projection_bytes_per_logit(bandwidth, matmul[HEAD_WIDTH]),
             "bandwidth": bandwidth, "loss_bytes_per_logit": _loss_bytes_per_logit(bandwidth),
             **_parameter_bytes(bandwidth),
@@ -102,6 +105,18 @@ def _matmul_flops(width: int, dtype=torch.float32) -> float:
     """FLOP/s of a layer's three products at `width` inputs and outputs."""
     rows = max(256, 65_536 // width)
     return 3 * 2 * rows * width * width / _linear_products_s(rows, width, width, dtype)
+
+
+def _attention_flops() -> float:
+    """FLOP/s of causal SDPA forward + backward at ATTENTION, counting what predict does: 3 x 2·s·(d_qk + d_v) a token."""
+    batch, heads, tokens, head_dim = ATTENTION
+    q, k, v = (torch.randn(batch, heads, tokens, head_dim, requires_grad=True) for _ in range(3))
+
+    def attention():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        q.grad = k.grad = v.grad = None
+
+    return 3 * 2 * batch * tokens * tokens * 2 * heads * head_dim / _typical_time(attention)
 
 
 def _output_projection_bytes_per_logit(bandwidth: float, layer_flops: float) -> float:
@@ -220,7 +235,10 @@ def _spec(nproc: int, threads: int, measured: list) -> dict:
     system = {"name": "local", "accelerators_per_node": nproc, "scale_up_domain": nproc, "scale_up_name": "gloo (loopback)",
               "scale_out_bw": float(beta), "pcie_bw": float(bandwidth), "topology": "single-node",
               "source": accelerator["source"]}
+    attention_width = ATTENTION[1] * ATTENTION[3]
+    gemm_rate = peak * eta_max * attention_width / (attention_width + w_half)  # the fitted rate at that width
     assumptions = {"matmul_efficiency_max": float(eta_max), "matmul_half_efficiency_width": float(w_half),
+                   "attention_efficiency": float(statistics.median(m["attention"] for m in measured) / gemm_rate),
                    "memory_bandwidth_efficiency": 1.0, "scale_up_efficiency": 1.0, "scale_out_efficiency": 1.0,
                    "scale_up_latency_s": float(alpha), "scale_out_latency_s": float(alpha),
                    "kernel_overhead_s": float(kernel), "data_parallel_overlap": 0.0,

@@ -24,6 +24,12 @@ class Assumptions:
         250.0, "GEMM width per device (hidden/TP) at which matmul efficiency is half its maximum: "
         "efficiency = max · w/(w + w_half); narrow GEMMs fill fewer SMs (wave quantisation) and "
         "spend more of their time in prologue, epilogue and launch")
+    attention_efficiency: float = documented(
+        1.0, "training attention's rate relative to the layers' GEMMs, on the FLOPs counted for it (2·s·(d_qk + d_v) a "
+        "token a layer forward, the causal half included, as MFU counts them): 1 takes the GEMMs' rate; a fused "
+        "attention kernel runs slower per FLOP than a large GEMM (FlashAttention-2: 50-73% of an A100's peak, Dao 2023; "
+        "torch's causal SDPA on one Zen 3 core: 0.53-0.77 of its GEMM rate from head dim 32, 128 tokens to head dim "
+        "64, 512 tokens); `mlsys calibrate` measures it")
     output_projection_bytes_per_logit: float = documented(
         0.0, "memory bytes per logit the vocabulary projection's three products (forward and both gradients) take "
         "beyond their FLOPs at a layer GEMM's rate: their tokens x vocab fp32 logits, written once and read twice, "

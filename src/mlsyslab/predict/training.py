@@ -107,17 +107,19 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     logits_fwd = 2 * tokens * breakdown.output_projection / t * head
     attention_fwd = 2 * tokens * layout.seq * (d_qk + d_v) * layers / t
     passes = 3 + full  # forward, backward (2x); full recompute repeats the layers' forward (not the logits)
-    hardware_flops = passes * layer_matmul_fwd + 3 * logits_fwd + (passes + selective) * attention_fwd
+    gemm_flops = passes * layer_matmul_fwd + 3 * logits_fwd
     peak = hw.peak_flops * matmul_efficiency(model.hidden / t, a)
+    attention_peak = peak * a.attention_efficiency
     sp_shard = np.where(layout.sequence_parallel, t, 1.0)
     elementwise = a.elementwise_bytes_per_token_per_hidden * model.hidden / sp_shard * tokens * layers * passes
     scores = 0.0 if a.flash_attention else 2 * 5 * model.heads * layout.seq * tokens / t * layers * (passes + selective)
     # The loss: fp32 logits written, softmax read and written, and their gradient, on the last stage; and the bytes
-    # the vocabulary projection's products move beyond their FLOPs (counted at the layers' rate in hardware_flops).
+    # the vocabulary projection's products move beyond their FLOPs (counted at the layers' rate in gemm_flops).
     loss_bytes = (a.loss_bytes_per_logit + a.output_projection_bytes_per_logit) * tokens * model.vocab / t * head
     memory_bw = hw.hbm_bw * a.memory_bandwidth_efficiency
     launches = a.kernel_overhead_s * a.kernels_per_layer * layers * passes
-    compute = hardware_flops / peak + (elementwise + scores + loss_bytes) / memory_bw + launches
+    compute = gemm_flops / peak + (passes + selective) * attention_fwd / attention_peak \
+        + (elementwise + scores + loss_bytes) / memory_bw + launches
 
     # Tensor parallel: 4 collectives of s·b·h per layer (6 with recompute), all-reduce-equivalent.
     act_bytes = tokens * model.hidden * width
@@ -169,7 +171,7 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     gradient_hops = np.where(c > 1, c * layers, 0.0)
     cp_transfer = (kv_hops * coll.point_to_point_s(kv_block, cp_bw, a.scale_up_latency_s)
                    + gradient_hops * coll.point_to_point_s(gradient_block, cp_bw, a.scale_up_latency_s))
-    attention_time = (passes * attention_fwd) / peak
+    attention_time = passes * attention_fwd / attention_peak
     cp_time = np.where(c > 1, np.maximum(0.0, cp_transfer - a.context_parallel_overlap * attention_time), 0.0)
     cp_bytes = kv_hops * kv_block + gradient_hops * gradient_block
 
