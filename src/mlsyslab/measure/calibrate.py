@@ -18,8 +18,9 @@ core), each rank measures, at the same time as the others:
 - the per-kernel overhead of eager PyTorch: a tiny op's forward + backward, per op;
 - the loss: cross-entropy forward + backward over the same fp32 logits, as equivalent bytes per logit;
 - the memory-bound work on the parameters, as bytes per parameter at the copy bandwidth: the trainers' AdamW step
-  (`train.trainer.adamw`, one tensor at a time: ~60 where a fused step moves 36) and a gradient's accumulation (`grad +=
-  new`, done on every microbatch), over PARAMETERS fp32 weights in tensors larger than the last-level cache;
+  (`nn.optimizer.adamw`, one tensor at a time: 40-63 on one Zen 3 core where a fused step moves 36) and a gradient's
+  accumulation (`grad += new`, done on every microbatch), over PARAMETERS fp32 weights in tensors larger than the
+  last-level cache;
 - the collective alpha-beta: gloo all-reduce times over 4 KB…16 MB; β from the slope of
   t = 2(n−1)·α + 2(n−1)/n · M/β, α from the 4 KB time; and the same for the shared-memory all-reduce that tensor
   parallelism (and data parallelism alone) takes between ranks of one x86 host (`comm/shared_memory.py`), as the assumptions
@@ -41,6 +42,7 @@ import yaml
 from mlsyslab.comm import shared_memory
 from mlsyslab.comm.launch import Rank, spawn
 from mlsyslab.measure.host import machine_memory_bytes
+from mlsyslab.nn.optimizer import adamw
 from mlsyslab.specs.catalog import LOCAL_HARDWARE
 
 WIDTHS = (32, 64, 128, 256, 512, 1024)
@@ -108,7 +110,7 @@ def _matmul_flops(width: int, dtype=torch.float32) -> float:
 
 
 def _attention_flops() -> float:
-    """FLOP/s of causal SDPA forward + backward at ATTENTION, counting what predict does: 3 x 2·s·(d_qk + d_v) a token."""
+    """FLOP/s of causal SDPA forward + backward at ATTENTION, on what predict counts: 3 x 2·s·(d_qk + d_v) a token."""
     batch, heads, tokens, head_dim = ATTENTION
     q, k, v = (torch.randn(batch, heads, tokens, head_dim, requires_grad=True) for _ in range(3))
 
@@ -147,8 +149,6 @@ def _loss_bytes_per_logit(bandwidth: float) -> float:
 
 def _parameter_bytes(bandwidth: float) -> dict:
     """An AdamW step and a gradient accumulation over PARAMETERS, as bytes per parameter at `bandwidth`."""
-    from mlsyslab.train.trainer import adamw
-
     tensors, numel = PARAMETERS
     weights = [torch.nn.Parameter(torch.randn(numel)) for _ in range(tensors)]
     new = [torch.randn(numel) for _ in range(tensors)]

@@ -25,11 +25,11 @@ class Assumptions:
         "efficiency = max · w/(w + w_half); narrow GEMMs fill fewer SMs (wave quantisation) and "
         "spend more of their time in prologue, epilogue and launch")
     attention_efficiency: float = documented(
-        1.0, "training attention's rate relative to the layers' GEMMs, on the FLOPs counted for it (2·s·(d_qk + d_v) a "
-        "token a layer forward, the causal half included, as MFU counts them): 1 takes the GEMMs' rate; a fused "
-        "attention kernel runs slower per FLOP than a large GEMM (FlashAttention-2: 50-73% of an A100's peak, Dao 2023; "
-        "torch's causal SDPA on one Zen 3 core: 0.53-0.77 of its GEMM rate from head dim 32, 128 tokens to head dim "
-        "64, 512 tokens); `mlsys calibrate` measures it")
+        1.0, "training attention's rate relative to the layers' GEMMs, on the FLOPs counted for it (2·s·(d_qk + d_v) "
+        "a token a layer forward, the causal half included, as MFU counts them): 1 takes the GEMMs' rate; a fused "
+        "attention kernel runs slower per FLOP than a large GEMM (FlashAttention-2: 50-73% of an A100's peak, Dao "
+        "2023; torch's causal SDPA on one Zen 3 core: 0.53-0.77 of its GEMM rate from head dim 32, 128 tokens to head "
+        "dim 64, 512 tokens); `mlsys calibrate` measures it")
     output_projection_bytes_per_logit: float = documented(
         0.0, "memory bytes per logit the vocabulary projection's three products (forward and both gradients) take "
         "beyond their FLOPs at a layer GEMM's rate: their tokens x vocab fp32 logits, written once and read twice, "
@@ -86,7 +86,7 @@ class Assumptions:
     optimizer_bytes_per_parameter: float = documented(
         36.0, "HBM bytes a fused mixed-precision Adam step reads and writes per local parameter "
         "(fp32 master, m, v read+write = 24; gradient read 4; bf16 weight write 2; plus slack); torch's AdamW one "
-        "tensor at a time, as our trainers step it, moves ~60 at a copy's bandwidth (its temporaries: the square "
+        "tensor at a time, as our trainers step it, moves 40-63 at a copy's bandwidth (its temporaries: the square "
         "root, the denominator), which `mlsys calibrate` measures")
     gradient_accumulation_bytes_per_parameter: float = documented(
         0.0, "memory bytes per parameter a rank moves every microbatch handing its weight gradients on, beyond the "

@@ -51,6 +51,7 @@ from mlsyslab.comm.log import CommLog
 from mlsyslab.errors import InvalidValue
 from mlsyslab.measure.memory import ActivationMeter, model_state_bytes, plain_model_state_tensors
 from mlsyslab.nn.llama import Llama, LlamaConfig
+from mlsyslab.nn.optimizer import adamw
 from mlsyslab.parallel.clipping import clip_gradients, piece_weights
 from mlsyslab.parallel.ddp import DataParallel
 from mlsyslab.parallel.mesh import MeshLayout, build_mesh, composed_step, expert_parameters, prepare
@@ -66,12 +67,6 @@ from mlsyslab.train.data import TokenBatches
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 LR_SCHEDULES = ("constant", "cosine")
-
-
-def adamw(params, lr: float = 3e-4) -> torch.optim.AdamW:
-    """The optimizer both trainers step (and `mlsys calibrate` times for the twin): torch's AdamW, one tensor at a
-    time (foreach=False: no list-wide temporaries beside a rank's largest tensors)."""
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, foreach=False)
 
 
 @dataclass
