@@ -18,7 +18,7 @@ core), each rank measures, at the same time as the others:
 - the per-kernel overhead of eager PyTorch: a tiny op's forward + backward, per op;
 - the loss: cross-entropy forward + backward over the same fp32 logits, as equivalent bytes per logit;
 - the memory-bound work on the parameters, as bytes per parameter at the copy bandwidth: the trainers' AdamW step
-  (`nn.optimizer.adamw`, one tensor at a time: 40-63 on one Zen 3 core where a fused step moves 36) and a gradient's
+  (`nn.optimizer.adamw`, fused: ~17 on one Zen 3 core, 40-63 op by op; 36 is predict's GPU default) and a gradient's
   accumulation (`grad += new`, done on every microbatch), over PARAMETERS fp32 weights in tensors larger than the
   last-level cache;
 - the collective alpha-beta: gloo all-reduce times over 4 KB…16 MB; β from the slope of

@@ -85,9 +85,9 @@ class Assumptions:
     context_parallel_overlap: float = documented(1.0, "fraction of ring-attention K/V transfer that can hide behind attention compute")
     optimizer_bytes_per_parameter: float = documented(
         36.0, "HBM bytes a fused mixed-precision Adam step reads and writes per local parameter "
-        "(fp32 master, m, v read+write = 24; gradient read 4; bf16 weight write 2; plus slack); torch's AdamW one "
-        "tensor at a time, as our trainers step it, moves 40-63 at a copy's bandwidth (its temporaries: the square "
-        "root, the denominator), which `mlsys calibrate` measures")
+        "(fp32 master, m, v read+write = 24; gradient read 4; bf16 weight write 2; plus slack); `mlsys calibrate` "
+        "measures our trainers' (torch's fused AdamW in fp32: ~17 at a copy's bandwidth on one Zen 3 core, where "
+        "the op-by-op step took 40-63)")
     gradient_accumulation_bytes_per_parameter: float = documented(
         0.0, "memory bytes per parameter a rank moves every microbatch handing its weight gradients on, beyond the "
         "products that compute them: eager PyTorch adds each new gradient into the one accumulated (AccumulateGrad's "
