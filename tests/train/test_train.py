@@ -295,11 +295,17 @@ def test_a_stopped_train_leaves_no_rank_running(tiny, tmp_path, signum):
     run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                            env={**os.environ, "TMPDIR": str(tmp_path)}, start_new_session=True)
     deadline, ranks = time.time() + 240, []
-    while time.time() < deadline and len(ranks) < 2 and run.poll() is None:
-        time.sleep(0.2)
-        servers = [p for p in _descendants(run.pid) if b"multiprocessing.forkserver" in _cmdline(p)]
-        ranks = [p for server in servers for p in _descendants(server)]  # forks of the server that imported torch
-    assert len(ranks) == 2, run.stderr.read() if run.poll() is not None else "no ranks started"
+    try:
+        while time.time() < deadline and len(ranks) < 2 and run.poll() is None:
+            time.sleep(0.2)
+            servers = [p for p in _descendants(run.pid) if b"multiprocessing.forkserver" in _cmdline(p)]
+            ranks = [p for server in servers for p in _descendants(server)]  # forks of the server that imported torch
+        assert len(ranks) == 2, run.stderr.read() if run.poll() is not None else f"ranks found: {ranks}"
+    except BaseException:  # a million-step run must not outlive a failed check
+        for pid in [*_descendants(run.pid), run.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        raise
     everything = _descendants(run.pid)
     os.kill(run.pid, signum)
     code = run.wait(timeout=120)
