@@ -237,3 +237,16 @@ def test_queue_bound_and_input_errors():
     engine.abort("a")
     engine.abort("b")
     assert not engine.has_work() and engine.kv.num_used == 0
+
+
+def test_a_request_is_held_to_the_pool_only_as_far_as_the_context_lets_it_grow():
+    """max_tokens past the context length ends at the context (finish "length"): such a request fits a pool larger
+    than the context, and one that could reach the context in a smaller pool is refused."""
+    roomy = Engine(MODEL, config=EngineConfig(kv_cache_bytes=(CONFIG.max_seq // 4 + 1) * block_bytes(4), block_size=4,
+                                              prefix_cache=False))
+    finished, _ = run(roomy, [(0, [1] * 40, 10**6, None)])
+    assert len(finished["0"].output_ids) == CONFIG.max_seq - 40 and finished["0"].finish_reason == "length"
+    assert roomy.kv.num_used == 0
+    tight = Engine(MODEL, config=EngineConfig(kv_cache_bytes=(CONFIG.max_seq // 4 - 1) * block_bytes(4), block_size=4))
+    with pytest.raises(InvalidValue, match="KV cache's capacity"):
+        tight.add_request("long", [1] * 40, SamplingParams(max_tokens=10**6))

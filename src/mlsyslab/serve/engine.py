@@ -69,8 +69,8 @@ class Engine:
         parameter = next(model.parameters())
         self.kv = KVCache(model.config, config.kv_cache_bytes, config.block_size,
                           kv_cache_dtype(parameter, model.config.head_dim), parameter.device)
-        self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_running, config.max_waiting,
-                                   config.prefix_cache)
+        self.scheduler = Scheduler(self.kv, model.config.max_seq, config.max_batched_tokens, config.max_running,
+                                   config.max_waiting, config.prefix_cache)
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else frozenset()
         self.eos_token_ids = eos_token_ids

@@ -48,13 +48,15 @@ class Scheduled:
 class Scheduler:
     """Decides, every step, which requests compute how many tokens; owns their blocks."""
 
-    def __init__(self, kv: KVCache, max_batched_tokens: int, max_running: int, max_waiting: int, prefix_cache: bool):
-        """Limits as `serve.engine.EngineConfig` sets them (its defaults are the engine's)."""
+    def __init__(self, kv: KVCache, max_seq: int, max_batched_tokens: int, max_running: int, max_waiting: int,
+                 prefix_cache: bool):
+        """Limits as `serve.engine.EngineConfig` sets them (its defaults are the engine's); max_seq is the model's
+        context length, past which no request grows whatever its max_tokens."""
         for name, value in (("max_batched_tokens", max_batched_tokens), ("max_running", max_running),
                             ("max_waiting", max_waiting)):
             if value < 1:
                 raise InvalidValue(name, value, ">= 1")
-        self.kv = kv
+        self.kv, self.max_seq = kv, max_seq
         self.max_batched_tokens, self.max_running, self.max_waiting = max_batched_tokens, max_running, max_waiting
         self.radix = RadixCache(kv) if prefix_cache else None
         self.waiting: list[Request] = []  # by arrival: preempted requests go back in their place
@@ -67,9 +69,10 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queue a request; raises QueueFull at the bound, InvalidValue if it could never fit the pool."""
-        longest = len(request.prompt_ids) + request.params.max_tokens
+        longest = min(len(request.prompt_ids) + request.params.max_tokens, self.max_seq)
         if longest > self.capacity_tokens:
-            raise InvalidValue("prompt tokens + max_tokens", longest, f"<= {self.capacity_tokens} (the KV cache's capacity)")
+            raise InvalidValue("prompt tokens + max_tokens", longest,
+                               f"<= {self.capacity_tokens} (the KV cache's capacity; the context length is {self.max_seq})")
         if len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"queue is full: {len(self.waiting)} requests waiting (max_waiting={self.max_waiting}); retry later")
         request.status = Status.WAITING
