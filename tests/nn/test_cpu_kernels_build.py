@@ -1,9 +1,11 @@
 """Where the C++ kernels can be built, they are: the kernel tests skip on a failed build (the serving
 path falls back to PyTorch), so a broken kernel source must fail here instead of skipping there."""
 
+import logging
 import os
 import platform
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -15,3 +17,21 @@ from mlsyslab.nn import cpu_kernels
                     reason="no C++ compiler or an architecture the kernels do not target")
 def test_the_kernels_build_on_a_host_with_a_compiler():
     assert cpu_kernels.load() is not None
+
+
+def test_a_first_build_says_so_on_the_mlsyslab_logger_and_a_built_one_does_not(tmp_path, monkeypatch, caplog):
+    """The build takes a minute or two on a small machine: the first one logs where it builds (`mlsyslab.progress`
+    prints it in the CLI), later loads of the built library log nothing. (torch's build is replaced by one that
+    writes the library's file, so that nothing compiles here.)"""
+    from torch.utils import cpp_extension
+
+    def build(name, build_directory, **_):
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", build)
+    with caplog.at_level(logging.INFO, logger="mlsyslab"):
+        cpu_kernels.load.__wrapped__()
+        cpu_kernels.load.__wrapped__()
+    notices = [record.getMessage() for record in caplog.records if "C++ kernels" in record.getMessage()]
+    assert len(notices) == 1 and str(tmp_path) in notices[0]

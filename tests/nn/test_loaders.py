@@ -1,5 +1,6 @@
 """GGUF conversion (names, llama.cpp's Q/K permutation, the cache) and the real model's files."""
 
+import logging
 import time
 from dataclasses import replace
 
@@ -204,3 +205,14 @@ def test_default_model_loads_from_cache_in_about_a_second():
     assert tokenizer.eos_token_ids == {2}
     text = "Paged attention, 世界 🎉!"
     assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_a_gguf_conversion_is_announced_once(tmp_path, caplog):
+    """Converting takes ~20 s for SmolLM2: the first use logs what it converts into where; the cached folder is
+    silent."""
+    write_llama_gguf(Llama(CONFIG).initialize(0.5, torch.Generator().manual_seed(0)), tmp_path / "tiny.gguf")
+    with caplog.at_level(logging.INFO, logger="mlsyslab"):
+        folder = cached_hf_folder(tmp_path / "tiny.gguf", tmp_path / "cache")
+        cached_hf_folder(tmp_path / "tiny.gguf", tmp_path / "cache")
+    assert [record.getMessage() for record in caplog.records] == [
+        f"converting {tmp_path / 'tiny.gguf'} into {folder} (first use only: later starts load the folder)"]

@@ -16,6 +16,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 from mlsyslab.cli import (audit_commands, measure_commands, predict_commands, primer_commands, scenario_commands,
                           schedule_commands, serve_commands, train_commands, walls_commands, zoo_commands)
 from mlsyslab.errors import MlsysError
+from mlsyslab.progress import show as show_progress
 
 app = typer.Typer(
     name="mlsys", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -62,6 +63,7 @@ app.add_typer(zoo_app, name="zoo")
 
 def main() -> None:
     """Entry point: turn input errors (ours and the parser's) into one stderr line and exit code 2."""
+    show_progress()
     try:
         exit_code = app(standalone_mode=False)  # not standalone, click returns a command's typer.Exit code
     except MlsysError as error:

@@ -17,10 +17,13 @@
 - `huge_page_zeros` (csrc/huge_pages.cpp): zeroed bytes on transparent huge pages, as tensors through
   `huge_page_zeros` here: the serving copy's streamed weights (`nn.packed_linear`) and the KV pool (`serve.kv_cache`).
 
-The kernels are compiled at first use with `torch.utils.cpp_extension.load` (g++ and ninja; ~15 s
-here) into the torch extensions cache and loaded in well under a second afterwards. They are built
-for this CPU (`-march=native`: AVX-512 where there is one), so the build is named after the CPU's
-model and flags, and a home folder shared by different machines never loads code built for another.
+The kernels are compiled at first use with `torch.utils.cpp_extension.load` (g++ and ninja; ~50 s on a 2-core
+AMD Zen 3 — 75 s when each file included all of ATen (`ATen/ATen.h`, ~13 s a file of parsing), so each includes
+`ATen/core/Tensor.h` and the ops it calls; the first build says it is building on the `mlsyslab` logger:
+`mlsyslab.progress`) into a folder of the torch extensions cache and loaded in well under a second afterwards.
+They are built for this CPU (`-march=native`: AVX-512 where there is one), so the build is named after the CPU's
+model and flags, and a home folder shared by different machines never loads code built for another; the folder is
+named after the Python and torch versions too.
 OpenMP is the libgomp torch already loaded (same soname): the kernels' threads are torch's
 (`torch.set_num_threads`). Where they cannot be built (no compiler) or do not apply (not CPU, a dtype
 other than fp32/bf16, head_dim not 32/64/128), `load()` is None and callers keep their PyTorch path;
@@ -31,9 +34,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import math
 import os
 import platform
+import sys
 import warnings
 from pathlib import Path
 
@@ -44,6 +49,7 @@ from mlsyslab.measure.host import cpu_description
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 HEAD_DIMS = (32, 64, 128)
+log = logging.getLogger(__name__)
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -65,8 +71,16 @@ def load():
     if os.environ.get("MLSYS_CPU_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64", "aarch64"):
         return None
     try:
+        from torch.utils.cpp_extension import get_default_build_root
         from torch.utils.cpp_extension import load as build
-        build(name=f"mlsyslab_cpu_kernels_{cpu_fingerprint()}", sources=[str(source) for source in SOURCES],
+        name = f"mlsyslab_cpu_kernels_{cpu_fingerprint()}"
+        folder = (Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+                  / f"{name}-py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}")
+        if not (folder / f"{name}.so").is_file():
+            log.info("building mlsyslab's C++ kernels for this CPU into %s (first use only; ~1-2 minutes on 2 "
+                     "cores)", folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        build(name=name, sources=[str(source) for source in SOURCES], build_directory=str(folder),
               is_python_module=False, extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
               extra_ldflags=["-fopenmp"])
     except Exception as error:  # noqa: BLE001 - no compiler, no ninja, or a failed build: say so, fall back

@@ -28,6 +28,7 @@ permutation) and tests/nn/test_llama_vs_hf.py (greedy tokens equal transformers'
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -36,6 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from mlsyslab.errors import InvalidValue
+
+log = logging.getLogger(__name__)
 
 LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -58,6 +61,7 @@ def cached_hf_folder(gguf_path: str | Path, cache_dir: str | Path) -> Path:
     if (folder / "model.safetensors").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
+    log.info("converting %s into %s (first use only: later starts load the folder)", gguf_path, folder)
     staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
     try:
         convert_gguf(gguf_path, staging)

@@ -27,11 +27,13 @@ tests/serve/test_server.py.
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from mlsyslab import progress
 from mlsyslab.errors import MlsysError
 from mlsyslab.serve.output import Delta, RequestOutput
 from mlsyslab.serve.sampling_params import SamplingParams
@@ -89,8 +91,10 @@ class EngineProcess:
         self.checks: list[threading.Event] = []
         self.error: BaseException | None = None
         self.start_timeout_s = start_timeout_s
+        shows_progress = logging.getLogger(progress.LOGGER).isEnabledFor(logging.INFO)  # as this process does
         self.process = context.Process(target=run_engine, name="mlsys-engine", daemon=True,
-                                       args=(model, tokenizer, config, threads, child_commands, child_results))
+                                       args=(model, tokenizer, config, threads, child_commands, child_results,
+                                             shows_progress))
         self.process.start()
         child_commands.close()
         child_results.close()
@@ -241,12 +245,15 @@ class EngineProcess:
             self.on_finish(output)
 
 
-def run_engine(model, tokenizer, config, threads: int | None, commands, results) -> None:
-    """The child: build the engine, then apply commands and step until told to stop."""
+def run_engine(model, tokenizer, config, threads: int | None, commands, results, shows_progress: bool) -> None:
+    """The child: build the engine (its first-time notices on stderr if the parent prints them), then apply
+    commands and step until told to stop."""
     import torch
 
     from mlsyslab.serve.engine import Engine
 
+    if shows_progress:
+        progress.show()
     try:
         if threads is not None:
             torch.set_num_threads(threads)

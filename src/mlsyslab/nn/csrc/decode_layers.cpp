@@ -14,7 +14,9 @@
 // (tests/nn/test_fused_decode.py). Used by `nn.fused_decode`; decodes only (one new token per sequence,
 // the cache in the model's dtype); prefill steps keep the Python path, where the matmuls dwarf the
 // overhead.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/linear.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 

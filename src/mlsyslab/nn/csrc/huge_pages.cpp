@@ -9,7 +9,8 @@
 // transparent huge pages are "always" or "madvise" (elsewhere, or if none are free, it gets 4 kB pages:
 // same results, the old speed). Measured (Zen 3, bf16 batch 1, alternating in one process, 6 rounds):
 // TPOT median 10.55 -> 10.26 ms; a sum over 512 MB read 26-28 GB/s in 4 kB pages, 29-31 in huge ones.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
 #include <torch/library.h>
 
 #include <algorithm>

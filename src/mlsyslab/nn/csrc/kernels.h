@@ -5,7 +5,7 @@
 // op, which shares the same ranges out with `at::parallel_for`).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 
 #include <type_traits>

@@ -9,7 +9,9 @@
 //   rms_norm:     x · rsqrt(mean(x²) + eps) · w, rounded once (as torch's fused F.rms_norm);
 //   silu_and_mul: silu(gate) rounded, times up, rounded (as F.silu(gate) * up);
 //   rope_:        x·cos and rotate_half(x)·sin rounded, then their sum (as HF's apply_rotary_pos_emb).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>

@@ -30,7 +30,9 @@
 // 0.27-0.31 ms in bf16 and 0.27-0.28 in fp32 on Zen 4, a head at a time 0.23-0.26 and 0.22-0.25 (2026-11-25; not
 // measured on AVX2); four at a time: `weighted_values`.
 // Built at first use by `mlsyslab.nn.cpu_kernels`; tested against `nn.paged_attention.decode_attention`.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>

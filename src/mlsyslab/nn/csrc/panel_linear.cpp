@@ -25,7 +25,8 @@
 // Not built without AVX-512 (AVX2 has 16 vector registers, too few for the block), nor for bf16 without
 // AVX512_BF16 (`kPanelsFor`): the widening kernel serves those. Tested in tests/nn/test_cpu_kernels.py against
 // the exact product, through the streamed kernel's ops.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>

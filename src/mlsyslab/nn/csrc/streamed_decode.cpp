@@ -34,7 +34,8 @@
 // (tests/nn/test_fused_decode.py). A thread keeps the same share of each matrix every step.
 // Used by `nn.fused_decode` when every matrix of the step takes the streamed kernel (steps under
 // `nn.packed_linear.streamed_below()` rows wherever the C++ kernels build).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <omp.h>

@@ -26,7 +26,9 @@
 // For fp32 weights on CPUs with AVX-512 and bf16 ones on CPUs with AVX512_BF16 (`kPanelsFor`), the tiles and the
 // product are the panel kernel's instead (panel_linear.cpp: panels of 48 outputs, rows blocked in registers), which
 // is ahead of this widening one there; the ops and the range functions below dispatch to it.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
