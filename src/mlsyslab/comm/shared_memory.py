@@ -16,8 +16,9 @@ What is written and read makes the collective:
   - all-reduce: x into the slot; x = slot_0 + slot_1 + ... in rank order (or their elementwise maximum; every rank
     gets the same bits, as from a collective);
   - all-gather: this rank's shard into the slot; output[r] = slot_r;
-  - reduce-scatter: input's n chunks into the slot, one after another; output = the sum of every slot's chunk `me`,
-    in rank order.
+  - reduce-scatter: input's chunks but this rank's own into the slot, one after another; output = the sum of chunk
+    `me` over the ranks in rank order, this rank's own from its input (n − 1 chunks written, not n: for 2 ranks half
+    the copy into the slot).
 A tensor larger than a slot goes through in slot-sized pieces, each a call. The flags are int64 words on cache lines
 of their own. x86 makes a core's stores visible in program order (TSO), so a rank that sees a flag also sees the
 slot written before it: this transport is used on x86-64 only (elsewhere, and for CUDA tensors or ranks on several
@@ -138,14 +139,26 @@ class SharedMemoryCollectives:
         if full.numel() != self.size * out.numel() or output.dtype != input.dtype:
             raise ValueError(f"input: {self.size} x {out.numel()} elements of {output.dtype}, got {input.numel()} "
                              f"of {input.dtype}")
-        chunks = full.view(self.size, -1)
-        per, me = self.slot_bytes // input.element_size() // self.size, self.rank.rank
+        chunks, me = full.view(self.size, -1), self.rank.rank
+        others = [r for r in range(self.size) if r != me]
+        per = self.slot_bytes // input.element_size() // len(others)
         for first in range(0, out.numel(), per):
             count = min(per, out.numel() - first)
-            self._exchange((3, full.nbytes, self.size * count * input.element_size()), lambda slot: slot.view(input.dtype)[:self.size * count].view(self.size, count).copy_(
-                               chunks[:, first:first + count]),
-                           lambda slots: _combine(out[first:first + count],
-                                                  slots.view(input.dtype)[:, me * count:(me + 1) * count], False))
+
+            def write(slot, first=first, count=count):
+                pieces = slot.view(input.dtype)[:len(others) * count].view(len(others), count)
+                for piece, r in zip(pieces, others):
+                    piece.copy_(chunks[r, first:first + count])
+
+            def read(slots, first=first, count=count):
+                """Chunk `me` from every rank in rank order: this rank's own from its input, rank r's from r's slot,
+                where r wrote every chunk but its own (at index me, or me - 1 past r's own)."""
+                at = [(me - (me > r)) * count for r in range(self.size)]
+                parts = [chunks[me, first:first + count] if r == me else slots[r].view(input.dtype)[at[r]:at[r] + count]
+                         for r in range(self.size)]
+                _combine(out[first:first + count], parts, False)
+
+            self._exchange((3, full.nbytes, len(others) * count * input.element_size()), write, read)
 
     def _exchange(self, doing: tuple[int, int, int], write, read) -> None:
         """One call of the protocol: write(this rank's slot, bytes), then read(every slot, [ranks, bytes]); `doing` is
@@ -215,7 +228,7 @@ def _flat(x: torch.Tensor, name: str) -> torch.Tensor:
     return x.view(-1)
 
 
-def _combine(values: torch.Tensor, slots: torch.Tensor, maximum: bool) -> None:
+def _combine(values: torch.Tensor, slots, maximum: bool) -> None:
     """values = slots[0] + slots[1] + ... in rank order (`maximum`: their elementwise maximum)."""
     values.copy_(slots[0])
     for other in slots[1:]:
