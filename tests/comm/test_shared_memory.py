@@ -38,12 +38,24 @@ def _equal_to_gloo(rank):
                         problems.append(f"rank {rank.rank}: {dtype} x{numel} {reduction}: {ours[:4].tolist()} != "
                                         f"{theirs[:4].tolist()}")
     floats = torch.randn(3, 1000, generator=torch.Generator().manual_seed(rank.rank))
+    inputs = [torch.empty_like(floats) for _ in range(rank.world_size)]
+    dist.all_gather(inputs, floats)
     reducer.all_reduce(floats)
     everyone = [torch.empty_like(floats) for _ in range(rank.world_size)]
     dist.all_gather(everyone, floats)  # every rank the same bits, as from a collective
     if not all(torch.equal(other, floats) for other in everyone):
         problems.append(f"rank {rank.rank}: fp32 sums differ between ranks")
+    if not torch.equal(floats, in_rank_order(inputs)):
+        problems.append(f"rank {rank.rank}: the fp32 all-reduce is not the sum in rank order")
     return problems
+
+
+def in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
+    """((x0 + x1) + x2) + ...: the shared-memory collectives' sum, whatever rank computes it."""
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -71,6 +83,13 @@ def _gather_and_scatter_equal_gloo(rank):
                 if not torch.equal(ours, theirs):
                     problems.append(f"rank {rank.rank}: reduce-scatter {dtype} x{numel}: {ours[:4].tolist()} != "
                                     f"{theirs[:4].tolist()}")
+    full = torch.randn(n * 1000, generator=torch.Generator().manual_seed(rank.rank))
+    inputs = [torch.empty_like(full) for _ in range(n)]
+    dist.all_gather(inputs, full)
+    ours = torch.empty(1000)
+    group.reduce_scatter(ours, full)
+    if not torch.equal(ours, in_rank_order([x.view(n, -1)[rank.rank] for x in inputs])):
+        problems.append(f"rank {rank.rank}: the fp32 reduce-scatter is not the sum in rank order")
     for call, args, message in ((group.all_gather, (torch.empty(n * 3 + 1), torch.empty(3)), "output: "),
                                 (group.reduce_scatter, (torch.empty(3), torch.empty(n * 3 - 1)), "input: "),
                                 (group.all_gather, (torch.empty(n * 3), torch.empty(3, dtype=torch.float64)), "output: ")):

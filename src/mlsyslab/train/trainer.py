@@ -175,7 +175,7 @@ class TrainConfig:
             raise InvalidValue("micro_batch", self.micro_batch,
                                f"a divisor of the {self.global_batch // dp} sequences per data-parallel rank")
         if self.resume and not self.checkpoint_dir:
-            raise InvalidValue("resume", True, "with a checkpoint directory")
+            raise InvalidValue("resume", True, "only with --checkpoint-dir (the run to resume)")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise InvalidValue("checkpoint_every", self.checkpoint_every, "with --checkpoint-dir (where to write them)")
         if self.pp == 1 and self.schedule != "1f1b":
