@@ -49,8 +49,8 @@ from mlsyslab.measure.host import cpu_description
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 HEAD_DIMS = (32, 64, 128)
-log = logging.getLogger(__name__)
 DTYPES = (torch.float32, torch.bfloat16)
+log = logging.getLogger(__name__)
 
 
 def panels(dtype: torch.dtype) -> bool:
