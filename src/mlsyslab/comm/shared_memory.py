@@ -231,19 +231,18 @@ def _flat(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _combine(values: torch.Tensor, slots, maximum: bool, holding: int | None = None) -> None:
-    """values = slots[0] + slots[1] + ... in rank order (`maximum`: their elementwise maximum). `holding`: the rank
-    whose part values already holds (an all-reduce's own x); if rank 0's or 1's, the sum starts from it and skips that
-    slot — a + b is b + a bit for bit, so (s1 + s0) + s2 is the rank order's sum — one copy fewer."""
+    """values = slots[0] + slots[1] + ... in rank order (`maximum`: their elementwise maximum), each step one pass
+    writing values. `holding`: the rank whose part values already holds (an all-reduce's own x); if rank 0's or 1's,
+    the sum starts from it and skips that slot — a + b is b + a bit for bit, so (s1 + s0) + s2 is the rank order's
+    sum."""
+    combine = torch.maximum if maximum else torch.add
     if holding in (0, 1):
         rest = [part for r, part in enumerate(slots) if r != holding]
-    else:
-        values.copy_(slots[0])
-        rest = slots[1:]
+    else:  # the first two parts into values in one pass, not a copy and then an add
+        combine(slots[0], slots[1], out=values)
+        rest = slots[2:]
     for other in rest:
-        if maximum:
-            torch.maximum(values, other, out=values)
-        else:
-            values.add_(other)
+        combine(values, other, out=values)
 
 
 def start_sharded(log: CommLog | None, op: str, shared: SharedMemoryCollectives | None, rank: Rank,
