@@ -58,6 +58,22 @@ def test_data_parallel_alone_takes_the_shared_memory_alpha_and_beta(zero):
     assert dp(beside_tensor_parallel, own) == pytest.approx(dp(beside_tensor_parallel, base), rel=1e-12)
 
 
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_zero_alone_takes_the_shared_memory_shard_collectives_beta(zero):
+    """ZeRO's all-gathers and reduce-scatters through shared memory run at their own β (the all-reduce's times the
+    shard factor); DDP's all-reduce keeps the all-reduce's, and beside TP every collective stays on the link."""
+    model, hardware = catalog.model("SmolLM2-135M"), resolve_hardware("h100", None, "bf16")[0]
+    base = resolve_assumptions(None).override({"shared_memory_bandwidth_factor": 4})
+    slower = base.override({"shared_memory_shard_bandwidth_factor": 0.5})
+    as_link = base.override({"scale_up_efficiency": (0.5 if zero else 1) * 4 * base.scale_up_efficiency,
+                             "shared_memory_bandwidth_factor": 1})
+    dp = lambda layout, a: float(predict_training(model, hardware, layout, assumptions=a).time_s["data_parallel"].reshape(-1)[0])  # noqa: E731
+    alone = Layout.of(dp=4, zero=zero, micro_batch=2, global_batch=16, seq=1024)
+    assert dp(alone, slower) == pytest.approx(dp(alone, as_link), rel=1e-12)
+    beside_tensor_parallel = Layout.of(dp=2, tp=2, zero=zero, micro_batch=2, global_batch=8, seq=1024)
+    assert dp(beside_tensor_parallel, slower) == pytest.approx(dp(beside_tensor_parallel, base), rel=1e-12)
+
+
 def test_calibrate_writes_a_spec_the_twin_reads(tmp_path):
     path = tmp_path / "local.yaml"
     spec = calibrate(2, path)
@@ -68,6 +84,8 @@ def test_calibrate_writes_a_spec_the_twin_reads(tmp_path):
     shared = "shared_memory_all_reduce_s_by_bytes" in spec["measured"]  # ranks of one x86 host: TP's own transport
     assert shared == (platform.machine() in ("x86_64", "AMD64"))
     assert (assumptions.shared_memory_latency_factor, assumptions.shared_memory_bandwidth_factor) != (1.0, 1.0) or not shared
+    assert shared == ("shared_memory_all_gather_and_reduce_scatter_s_by_bytes" in spec["measured"])
+    assert assumptions.shared_memory_shard_bandwidth_factor > 0
     assert assumptions.loss_bytes_per_logit > 0 and assumptions.kernel_overhead_s > 0
     assert assumptions.attention_efficiency > 0
     assert assumptions.optimizer_bytes_per_parameter > 0 and assumptions.gradient_accumulation_bytes_per_parameter > 0

@@ -43,4 +43,7 @@ def calibrate_command(
         ("shared-memory all-reduce alpha, beta (TP; DP alone)",
          f"{seconds(fitted['scale_up_latency_s'] * fitted['shared_memory_latency_factor'])}, "
          f"{human(chip['scale_up_bw'] * fitted['shared_memory_bandwidth_factor'], 'B/s')}"),
+        ("shared-memory all-gather + reduce-scatter beta (ZeRO alone)",
+         human(chip['scale_up_bw'] * fitted['shared_memory_bandwidth_factor']
+               * fitted['shared_memory_shard_bandwidth_factor'], 'B/s')),
     ]))

@@ -25,7 +25,8 @@ core), each rank measures, at the same time as the others:
   t = 2(n−1)·α + 2(n−1)/n · M/β, α from the 4 KB time; and the same for the shared-memory all-reduce that tensor
   parallelism (and data parallelism alone) takes between ranks of one x86 host (`comm/shared_memory.py`), as the assumptions
   `shared_memory_latency_factor` and `shared_memory_bandwidth_factor` (its α and β over gloo's; 1 where it does
-  not apply).
+  not apply); and ZeRO's pair there, an all-gather and a reduce-scatter of the same sizes (an all-reduce's ring bytes
+  between them), as `shared_memory_shard_bandwidth_factor`: its β over the shared-memory all-reduce's.
 Every time is the median of several timings (the twin predicts a run's median step). The result is a hardware spec (accelerator + system + the fitted assumptions) at
 ~/.cache/mlsyslab/hardware/local.yaml, which `--hardware local` reads.
 """
@@ -70,7 +71,8 @@ def _measure(rank: Rank) -> dict:
             "bandwidth": bandwidth, "loss_bytes_per_logit": _loss_bytes_per_logit(bandwidth),
             **_parameter_bytes(bandwidth),
             "kernel_s": _kernel_overhead(), "all_reduce": _all_reduce_times(rank, dist.all_reduce),
-            "shared_memory_all_reduce": _shared_memory_all_reduce_times(rank)}
+            "shared_memory_all_reduce": _shared_memory_all_reduce_times(rank),
+            "shared_memory_shard": _shared_memory_shard_times(rank)}
 
 
 def _typical_time(fn, repeats: int = 5, min_s: float = 0.05) -> float:
@@ -200,6 +202,23 @@ def _shared_memory_all_reduce_times(rank: Rank) -> dict | None:
     return None if reducer is None else _all_reduce_times(rank, reducer.all_reduce)
 
 
+def _shared_memory_shard_times(rank: Rank) -> dict | None:
+    """`_all_reduce_times` of ZeRO's pair through shared memory: an all-gather and a reduce-scatter of the message (an
+    all-reduce's ring bytes between them), or None where the shared-memory collectives do not apply."""
+    reducer, n = shared_memory.for_group(rank), rank.world_size
+    if reducer is None:
+        return None
+    shards = {}
+
+    def gather_and_scatter(tensor: torch.Tensor) -> None:
+        whole = tensor[:tensor.numel() // n * n]
+        shard = shards.setdefault(whole.numel(), torch.empty(whole.numel() // n))
+        reducer.all_gather(whole, shard)
+        reducer.reduce_scatter(shard, whole)
+
+    return _all_reduce_times(rank, gather_and_scatter)
+
+
 def _alpha_beta(measured: list, key: str, n: int) -> tuple[float, float, np.ndarray]:
     """α, β of the ring all-reduce model fitted to the slowest rank's times under `key`, and those times."""
     sizes = np.array(ALL_REDUCE_BYTES, float)
@@ -222,6 +241,7 @@ def _spec(nproc: int, threads: int, measured: list) -> dict:
     alpha, beta, seconds = _alpha_beta(measured, "all_reduce", n)
     shared = all(m["shared_memory_all_reduce"] is not None for m in measured)
     shm_alpha, shm_beta, shm_seconds = _alpha_beta(measured, "shared_memory_all_reduce", n) if shared else (alpha, beta, None)
+    _, shard_beta, shard_seconds = _alpha_beta(measured, "shared_memory_shard", n) if shared else (alpha, shm_beta, None)
     memory = machine_memory_bytes()
     accelerator = {
         "name": "local", "aliases": ["this-machine"], "vendor": "this machine", "kind": "cpu",
@@ -245,6 +265,7 @@ def _spec(nproc: int, threads: int, measured: list) -> dict:
                    "sequence_parallel_regather_overlap": 0.0, "eager_activations": True,  # as nn/ saves them
                    "shared_memory_latency_factor": float(shm_alpha / alpha),
                    "shared_memory_bandwidth_factor": float(shm_beta / beta),
+                   "shared_memory_shard_bandwidth_factor": float(shard_beta / shm_beta),
                    "output_projection_bytes_per_logit": float(statistics.median(
                        m["output_projection_bytes_per_logit"] for m in measured)),
                    **{name: float(statistics.median(m[name] for m in measured)) for name in (
@@ -254,7 +275,9 @@ def _spec(nproc: int, threads: int, measured: list) -> dict:
             "measured": {"matmul_flops_by_width": {int(w): float(f) for w, f in flops.items()},
                          "all_reduce_s_by_bytes": {int(s): float(t) for s, t in zip(ALL_REDUCE_BYTES, seconds)},
                          **({"shared_memory_all_reduce_s_by_bytes": {int(s): float(t) for s, t in
-                                                                     zip(ALL_REDUCE_BYTES, shm_seconds)}} if shared else {})}}
+                                                                     zip(ALL_REDUCE_BYTES, shm_seconds)},
+                             "shared_memory_all_gather_and_reduce_scatter_s_by_bytes": {
+                                 int(s): float(t) for s, t in zip(ALL_REDUCE_BYTES, shard_seconds)}} if shared else {})}}
 
 
 def _fit_efficiency(widths: np.ndarray, efficiency: np.ndarray) -> tuple[float, float]:

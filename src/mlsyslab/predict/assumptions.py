@@ -78,6 +78,11 @@ class Assumptions:
     shared_memory_bandwidth_factor: float = documented(
         1.0, "the β of the collectives our ranks run through shared memory inside a scale-up domain, as a multiple of "
         "the link's (see shared_memory_latency_factor)")
+    shared_memory_shard_bandwidth_factor: float = documented(
+        1.0, "the β of ZeRO's all-gathers and reduce-scatters through shared memory, as a multiple of the shared-memory "
+        "all-reduce's: an all-gather and a reduce-scatter of a message move an all-reduce's ring bytes between them, "
+        "but the all-reduce adds into its own tensor where they copy out of the slots, and `mlsys calibrate` times "
+        "both; 1 where every collective takes the same transport")
     data_parallel_overlap: float = documented(
         0.7, "fraction of data-parallel gradient reduction (and ZeRO-3 gathers) hidden behind the backward pass")
     pipeline_p2p_overlap: float = documented(0.0, "fraction of pipeline send/recv time hidden behind compute")

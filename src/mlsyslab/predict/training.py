@@ -204,7 +204,10 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
     dp_local = np.clip(hw.scale_up_domain / (t * group / d), 1, None)  # the group's ranks inside one node
     expert_dp = group / e
     data_only = (t == 1) & (p == 1) & (c == 1) & (e == 1)
-    dp_link = {name: np.where(data_only, shared_link[name], link[name]) for name in link}
+    # through shared memory, ZeRO's all-gathers and reduce-scatters at their own rate, DDP's all-reduce at its
+    shared_dp_link = dict(shared_link, up_bw=shared_link["up_bw"] * np.where(
+        layout.zero >= 1, a.shared_memory_shard_bandwidth_factor, 1.0))
+    dp_link = {name: np.where(data_only, shared_dp_link[name], link[name]) for name in link}
     dp_time = (
         coll.hierarchical_all_reduce_s(volume * dense_params, group, np.minimum(group, dp_local), **dp_link)
         + coll.hierarchical_all_reduce_s(volume * expert_params, expert_dp, np.minimum(expert_dp, dp_local), **dp_link))
