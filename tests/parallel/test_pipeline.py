@@ -16,7 +16,7 @@ from mlsyslab.parallel.pipeline import PipelineRank, StageChunk, forward_flops_p
 from mlsyslab.parallel.schedules import build, chrome_trace, render_png, timeline, weight_versions
 from mlsyslab.predict.pipeline import pipeline_bubble_fraction
 from mlsyslab.predict.layout import Layout
-from mlsyslab.predict.memory import microbatches_in_flight
+from mlsyslab.predict.memory import microbatches_in_flight, stashed_versions
 
 CONFIG = LlamaConfig(vocab=64, hidden=32, layers=8, heads=4, kv_heads=2, head_dim=8, ffn_hidden=48, tied_embeddings=False,
                      max_seq=64)
@@ -202,17 +202,18 @@ def _pipedream_replay(stages, microbatches, lr):
     return sum(losses) / microbatches, [h[-1] for h in history], versions
 
 
-@pytest.mark.parametrize("world, microbatches", [(2, 6), (4, 8)])
+@pytest.mark.parametrize("world, microbatches", [(2, 2), (2, 6), (4, 8)])
 def test_pipedream_executes_weight_stashing(world, microbatches):
     """Each rank updates after every backward; a microbatch's backward uses the weights its forward used.
     The executed pipeline ends with exactly the weights of a single-process replay of those versions,
-    and a stage holds at most p − r weight versions."""
+    and stage r holds the weight versions predict says at most: min(p − r, max(1, m − p + r + 1)) (at m = p = 2 the
+    first stage one, where predict once said two)."""
     lr = 0.5  # large, so that a backward on the wrong version would move the weights visibly
     results = spawn(_run_pipedream, world, microbatches, lr)
     loss, final, versions = _pipedream_replay(world, microbatches, lr)
     assert [r[0] for r in results if r[0] is not None] == [pytest.approx(loss, rel=1e-5)]
     for rank, (_, weights, used, held) in enumerate(results):
         assert used == versions[rank]
-        assert held <= world - rank
+        assert held == stashed_versions(world, microbatches, rank)
         assert max(abs(weights[n] - final[rank][n]).max().item() for n in weights) < 1e-5
     assert versions[0] != {i: i for i in range(microbatches)}  # the first stage really lags

@@ -8,7 +8,7 @@ from mlsyslab.predict.architecture import kv_bytes_per_token
 from mlsyslab.predict.assumptions import DEFAULT
 from mlsyslab.predict.hardware import Hardware
 from mlsyslab.predict.layout import Layout
-from mlsyslab.predict.memory import activation_bytes_per_layer, model_state_bytes, training_memory
+from mlsyslab.predict.memory import activation_bytes_per_layer, model_state_bytes, stashed_versions, training_memory
 from mlsyslab.predict.pipeline import pipeline_bubble_fraction
 from mlsyslab.predict.training import predict_training
 from mlsyslab.specs import catalog
@@ -101,20 +101,41 @@ def test_korthikanti_activation_formulas(t):
 
 
 def test_pipedream_stashes_weight_versions_and_updates_per_microbatch():
-    """PipeDream against 1F1B on the same layout: the same activations in flight and bubble; min(m, p) more copies of
-    the stage's weights (stage 0 owes p versions a backward); m optimizer updates a step instead of one, each
+    """PipeDream against 1F1B on the same layout: the same activations in flight and bubble; min(p, max(1, m − p + 1))
+    more copies of the first stage's weights (with m = 64, p = 4: stage 0 owes 4 versions a backward); m optimizer updates a step instead of one, each
     followed by the copy its new version stashes."""
     model = catalog.model("llama-3-8b")
     hardware = Hardware.of(*catalog.hardware("h100"), "bf16")
     runs = {name: Layout.of(tp=4, pp=4, global_batch=64, seq=4096, schedule=name) for name in ("1f1b", "pipedream")}
     memory = {name: training_memory(model, layout, 80e9).breakdown() for name, layout in runs.items()}
     assert memory["pipedream"]["activations"] == memory["1f1b"]["activations"]
-    assert memory["pipedream"]["weights"] == pytest.approx(5 * memory["1f1b"]["weights"])  # live + min(64, 4) copies
+    assert memory["pipedream"]["weights"] == pytest.approx(5 * memory["1f1b"]["weights"])  # live + 4 copies
     assert memory["pipedream"]["gradients"] == memory["1f1b"]["gradients"]
     time = {name: predict_training(model, hardware, layout) for name, layout in runs.items()}
     assert float(time["pipedream"].bubble_fraction) == float(time["1f1b"].bubble_fraction)
     one, every = (float(time[name].time_s["optimizer"]) for name in ("1f1b", "pipedream"))
     assert every > 64 * one
+
+
+def test_the_stashed_versions_are_the_schedules():
+    """predict's count of the weight versions each PipeDream stage holds at once equals the count over its schedule's
+    actions (a version is held from its first forward to its last microbatch's backward), for p = 2..8, m = p..3p."""
+    from mlsyslab.parallel.schedules import build
+
+    for p in range(2, 9):
+        for m in range(p, 3 * p + 1):
+            for stage, actions in enumerate(build("pipedream", p, m).actions):
+                updates, version, pending, most = 0, {}, {}, 0
+                for action in actions:
+                    if action.kind == "F":
+                        version[action.microbatch] = updates
+                        pending[updates] = pending.get(updates, 0) + 1
+                        most = max(most, len(pending))
+                    else:
+                        pending[version[action.microbatch]] -= 1
+                        pending = {v: n for v, n in pending.items() if n}
+                        updates += 1
+                assert stashed_versions(p, m, stage) == most, (p, m, stage)
 
 
 @pytest.mark.parametrize("pp", [2, 4])

@@ -378,6 +378,17 @@ def single_process_losses(tiny):
     return _train_json(tiny, "--nproc", "1", "--steps", "3")["result"]["losses"]
 
 
+def assert_states_are_predicted(report: dict) -> None:
+    """Rank 0 of a mesh run holds the parameters predict counts after TP, PP and EP, and the weights, gradients,
+    optimizer state and host-offloaded bytes predict states for them, to the byte."""
+    comparison = report["predicted_vs_measured"]
+    assert comparison["parameters"]["measured"] == comparison["parameters"]["predicted"], comparison["parameters"]
+    for category in ("weights", "gradients", "optimizer", "host_offload"):
+        pair = comparison["memory_bytes"][category]
+        assert pair["measured"] == pair["predicted"], (category, pair)
+    assert comparison["memory_bytes"]["weights"]["measured"] > 0
+
+
 @pytest.mark.parametrize("layouts", [
     # (TP 2 with sequence parallelism: the Qwen runs below, through the pipeline, and beside ZeRO-3)
     pytest.param([["--tp", "2"], ["--pp", "2", "--microbatches", "4", "--timeline"], ["--cp", "2"]], id="2-ranks"),
@@ -411,18 +422,21 @@ def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny, 
             assert wire["context_parallel"]["measured"] == pytest.approx(wire["context_parallel"]["predicted"])
         activations = report["predicted_vs_measured"]["memory_bytes"]["activations"]  # what nn/ saves, to the byte
         assert activations["measured"] == activations["predicted"], (args, activations)
+        assert_states_are_predicted(report)  # PP: only the rank's own stage (the rest once stayed on every rank)
 
 
 @pytest.mark.parametrize("family", [pytest.param("qkv_bias", marks=pytest.mark.slow), "qk_norm"])  # CI time
 def test_qwen_models_train_under_tensor_parallelism_as_on_one_process(tmp_path, family):
     """A Qwen2-shaped model (biases on Q, K and V) and a Qwen3-shaped one (query and key head norms) under TP 2 with
-    sequence parallelism: one process's losses, and TP bytes equal to predict's (Qwen3's: each microbatch's backward
+    sequence parallelism: one process's losses, the parameters and bytes rank 0 holds (predict once split the head
+    norms over TP too), and TP bytes equal to predict's (Qwen3's: each microbatch's backward
     sums the head norms' gradients over TP, besides SP's norms)."""
     spec = tmp_path / "qwen.yaml"
     spec.write_text(TINY.replace("family: llama", "family: qwen") + f"{family}: true\n")
     reference = _train_json(spec, "--nproc", "1", "--steps", "3")["result"]["losses"]
     report = _train_json(spec, "--steps", "3", "--tp", "2", "--sequence-parallel")
     assert report["result"]["losses"] == pytest.approx(reference, rel=1e-5)
+    assert_states_are_predicted(report)  # the biases split with their heads, the head norms whole on each rank
     wire = report["predicted_vs_measured"]["wire_bytes_per_step"]["tensor_parallel"]
     assert wire["measured"] == pytest.approx(wire["predicted"])
 
@@ -442,6 +456,7 @@ def test_sequence_parallel_through_the_pipeline(tiny, single_process_losses):
         assert pair["measured"] == pytest.approx(pair["predicted"]), (name, pair)
     held = report["predicted_vs_measured"]["memory_bytes"]["activations"]
     assert held["measured"] == held["predicted"], held
+    assert_states_are_predicted(report)  # its stage's layers and the embedding, each split over TP
     without = TrainConfig(**{**report["config"], "sequence_parallel": False})  # predicted as measured in the 2-rank runs
     assert held["measured"] < 0.85 * compare_mesh_training(without, report["result"])["memory_bytes"]["activations"]["predicted"]
 
@@ -504,6 +519,7 @@ def test_pipedream_updates_after_every_backward_and_resumes_bitwise(untied, tmp_
     assert losses[0] != pytest.approx(frozen[0], rel=1e-4) and losses[-1] < frozen[-1]
     wire = report["predicted_vs_measured"]["wire_bytes_per_step"]["pipeline_p2p"]
     assert wire["measured"] == pytest.approx(wire["predicted"])
+    assert_states_are_predicted(report)  # the weights: live, and the stash's peak of 2 versions (m = 4, p = 2)
     shutil.rmtree(directory / "step_00000004")
     resumed = _train_json(untied, *args, "--resume")["result"]
     assert resumed["first_step"] == 2 and resumed["losses"] == losses[2:]
@@ -523,6 +539,7 @@ def test_expert_parallel_training_equals_data_parallel_and_sends_the_routed_toke
     the all-to-all bytes are predict's balanced-routing estimate up to the actual routing."""
     report = _train_json(moe, "--ep", "2", "--steps", "3")
     assert report["result"]["losses"] == pytest.approx(moe_ddp_losses, rel=1e-6)
+    assert_states_are_predicted(report)  # 2 of each layer's 4 experts
     wire = report["predicted_vs_measured"]["wire_bytes_per_step"]["expert_parallel"]
     assert wire["predicted"] > 0 and 0.5 < wire["measured"] / wire["predicted"] < 1.5, wire
 
@@ -586,6 +603,7 @@ def test_zero_with_expert_parallelism_sends_what_predict_says(moe):
     microbatches."""
     report = _train_json(moe, "--nproc", "4", "--global-batch", "8", "--dp", "4", "--ep", "2", "--steps", "3",
                          "--micro-batch", "1", "--strategy", "zero2")
+    assert_states_are_predicted(report)  # the dense weights' shards of 4, the experts' of 2
     wire = report["predicted_vs_measured"]["wire_bytes_per_step"]
     assert wire["data_parallel"]["measured"] == pytest.approx(wire["data_parallel"]["predicted"])
     assert 0.5 < wire["expert_parallel"]["measured"] / wire["expert_parallel"]["predicted"] < 1.5, wire
@@ -626,6 +644,7 @@ def test_zero_along_data_parallel_inside_the_mesh(tiny, single_process_losses, s
     report = _train_json(tiny, "--nproc", "4", other[0], "2", *other[1:], "--dp", "2", "--micro-batch", "1",
                          "--strategy", strategy, "--steps", "3")
     assert report["result"]["losses"] == pytest.approx(reference, rel=1e-5)
+    assert_states_are_predicted(report)
     wire = report["predicted_vs_measured"]["wire_bytes_per_step"]
     for dimension in ("tensor_parallel" if other[0] == "--tp" else "context_parallel", "data_parallel"):
         assert wire[dimension]["predicted"] > 0
@@ -650,6 +669,7 @@ def test_bf16_inside_the_mesh_sends_what_predict_says(tiny, single_process_losse
         assert wire[dimension]["measured"] == pytest.approx(wire[dimension]["predicted"], rel=1e-4)
     held = report["predicted_vs_measured"]["memory_bytes"]["activations"]  # bf16 layers, fp32 norms and loss
     assert held["measured"] == held["predicted"], held
+    assert_states_are_predicted(report)  # bf16 working weights and gradients; fp32 masters and Adam offloaded
 
 
 def test_the_default_micro_batch_leaves_a_pipeline_enough_microbatches():

@@ -165,8 +165,12 @@ def _print(config, result, comparison) -> None:
     fmt = lambda v: "—" if v is None else human(v, "B")  # noqa: E731
     ratio = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
     if "memory_bytes" in comparison:
-        console.print(table("bytes per rank (rank 0)", [(k, fmt(v["predicted"]), fmt(v["measured"]), ratio(v["ratio"]))
-                                                         for k, v in comparison["memory_bytes"].items()],
+        count = comparison.get("parameters")  # on a mesh: what rank 0 holds after TP, PP and EP
+        rows = [("parameters (count)", f"{count['predicted']:,.0f}", f"{count['measured']:,}", ratio(count["ratio"]))] \
+            if count else []
+        console.print(table("bytes per rank (rank 0)", rows + [(k, fmt(v["predicted"]), fmt(v["measured"]),
+                                                                ratio(v["ratio"]))
+                                                               for k, v in comparison["memory_bytes"].items()],
                             ("category", "predicted", "measured", "measured / predicted")))
     console.print(table("bytes on the wire per step (rank 0)", [(k, fmt(v["predicted"]), fmt(v["measured"]), ratio(v["ratio"]))
                                                                 for k, v in comparison["wire_bytes_per_step"].items()],

@@ -273,5 +273,6 @@ def _sum_tied_embedding_gradient(model: Llama, pp: Rank, log: CommLog | None, ti
         gradient = tied_gradient()
     else:
         weight = model.embed_tokens.weight
-        gradient = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+        gradient = weight.grad if weight.grad is not None else torch.zeros(weight.shape, dtype=weight.dtype,
+                                                                            device=pp.device)  # meta off the ends
     traced(log, "all_reduce", nbytes(gradient), pp.world_size, dist.all_reduce, gradient, group=pp.group)

@@ -55,11 +55,13 @@ class MeshZero:
         if log is not None:
             log.reset()  # the start-up broadcasts are not a step's traffic
 
-    def train_step(self, forward_backward: Callable, max_grad_norm: float = 0.0) -> tuple[float, float | None]:
+    def train_step(self, forward_backward: Callable, max_grad_norm: float = 0.0,
+                   measure: Callable[[dict], None] | None = None) -> tuple[float, float | None]:
         """Run `forward_backward(tied_gradient)` (for ZeRO-2 and -3, a function giving this rank's slice of
         the tied parameter's gradient, to sum over the pipeline; else None), reduce what it left (ZeRO-1
         once, after every microbatch), clip to `max_grad_norm` if > 0, step, clear. Returns the loss and the
-        gradient's norm before clipping (None without)."""
+        gradient's norm before clipping (None without). `measure`, if given, is called with the tensors the rank
+        holds by category (`model_state_tensors`) after the step, before the gradients are cleared."""
         with ExitStack() as accumulating:
             if self.stage == 1:  # accumulate over the pipeline's backwards, reduce once
                 for zero in self.zeros:
@@ -73,5 +75,18 @@ class MeshZero:
             if max_grad_norm > 0 else None
         for zero in self.zeros:
             zero.step(max_grad_norm, norm)
+        if measure is not None:
+            measure(self.model_state_tensors())
+        for zero in self.zeros:
             zero.zero_grad()
         return loss, norm
+
+    def model_state_tensors(self) -> dict:
+        """The tensors this rank holds by category, over both groups (`ZeroDataParallel.model_state_tensors`)."""
+        held = [zero.model_state_tensors() for zero in self.zeros]
+        return {category: [t for states in held for t in states[category]] for category in held[0]}
+
+    @property
+    def padded_numel(self) -> tuple[int, int]:
+        """(dense, experts) parameters as the shards count them, each group's padded to a multiple of its ranks."""
+        return self.zeros[0].padded_numel, self.zeros[1].padded_numel if len(self.zeros) > 1 else 0

@@ -92,6 +92,17 @@ def split(model: Llama, stages: int) -> list[tuple[int, int]]:
                           forward_flops_per_token(model.lm_head))
 
 
+def release_other_stages(model: Llama, chunks: nn.ModuleList) -> None:
+    """Move every part of `model` that `chunks` do not hold (other stages' layers, the embedding off the first stage,
+    the norm and head off the last) to the meta device: shapes kept, no bytes. Without it every rank kept the whole
+    model it was built from, and a pipeline saved no memory of weights (llama-tiny on PP 2: rank 0 held stage 1's
+    layers too). A tied embedding stays on the first stage and the last, which hold it."""
+    held = {id(p) for p in chunks.parameters()}
+    for part in (*model.layers, model.embed_tokens, model.norm, model.lm_head):
+        if not any(id(p) in held for p in part.parameters()):
+            part.to("meta")
+
+
 def forward_flops_per_token(module: nn.Module) -> float:
     """2 × the matrix weights (2-D parameters) a token meets in `module` on this rank; in an MoE layer the router in
     full and `top_k` experts (one expert's weights, top_k times)."""
@@ -119,6 +130,7 @@ class PipelineRank:
         bounds = split(model, schedule.stages * schedule.chunks)
         self.chunks = nn.ModuleList(StageChunk(model, *bounds[schedule.virtual_stage(rank.rank, c)], sequence_shards,
                                                ring) for c in range(schedule.chunks))
+        release_other_stages(model, self.chunks)
         self.sequence_shards = sequence_shards  # sequence parallelism: activations travel as [b, s/t, hidden]
         self.hidden, self.last_stage = model.config.hidden, schedule.stages * schedule.chunks - 1
         self.dtype = dtype or model.norm.weight.dtype  # what activations travel in: the model's by default

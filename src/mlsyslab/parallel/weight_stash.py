@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from mlsyslab.measure.memory import storage_bytes
+
 
 class WeightStash:
     """The weight versions one pipeline chunk still owes a backward to, and its update after each one."""
@@ -30,12 +32,16 @@ class WeightStash:
         self.copies: dict[int, dict[str, torch.Tensor]] = {}  # version -> parameters as they were then
         self.pending: dict[int, int] = {}  # version -> microbatches whose backward is still to come
         self.used: dict[int, int] = {}  # microbatch -> version its forward (and so its backward) used
+        self.peak_copy_bytes = 0  # the most bytes the copies held at once (measure.memory.storage_bytes)
+        self.peak_gradient_bytes = 0  # the most a version's gradient held, between its backward and its update
 
     def current(self) -> dict[str, torch.Tensor]:
         """The copy of the current weights the next forward runs on (made on the version's first forward)."""
         if self.version not in self.copies:
             self.copies[self.version] = {name: parameter.detach().clone().requires_grad_(parameter.requires_grad)
                                          for name, parameter in self.module.named_parameters()}
+            copies = storage_bytes(t for copy in self.copies.values() for t in copy.values())
+            self.peak_copy_bytes = max(self.peak_copy_bytes, copies)
         return self.copies[self.version]
 
     def forward(self, microbatch: int, *inputs) -> torch.Tensor:
@@ -49,6 +55,7 @@ class WeightStash:
         """After `microbatch`'s backward: apply its gradient (taken at its stashed version) to the live weights."""
         version = self.used[microbatch]
         copy = self.copies[version]
+        self.peak_gradient_bytes = max(self.peak_gradient_bytes, storage_bytes(t.grad for t in copy.values()))
         for name, parameter in self.module.named_parameters():
             parameter.grad, copy[name].grad = copy[name].grad, None
         optimizer.step()

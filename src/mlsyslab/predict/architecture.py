@@ -23,6 +23,7 @@ class ParameterBreakdown:
     unembedding: int  # output projection parameters; 0 when tied to the embedding
     output_projection: int  # vocab x hidden: the logits matmul, tied or not
     attention: int  # per layer, including Q/K norms and biases
+    head_norms: int  # per layer, the Q/K head norms' weights (in `attention`; one head's width each, whole on every TP rank)
     dense_mlp: int  # per dense layer
     routed_experts: int  # per MoE layer, all routed experts
     routed_expert: int  # one routed expert
@@ -94,6 +95,7 @@ def parameters(model: Model) -> ParameterBreakdown:
         unembedding=0 if model.tied_embeddings else model.vocab * h,
         output_projection=model.vocab * h,
         attention=attention,
+        head_norms=2 * model.attention_head_dim if model.qk_norm and model.mla is None else 0,
         dense_mlp=dense_mlp,
         routed_experts=routed,
         routed_expert=expert,
@@ -128,7 +130,7 @@ def _attention_parameters(model: Model) -> int:
         bias = q_width + 2 * kv_width + h
     elif model.qkv_bias:
         bias = q_width + 2 * kv_width
-    return weights + bias + (2 * hd if model.qk_norm else 0)
+    return weights + bias + (2 * hd if model.qk_norm else 0)  # ParameterBreakdown.head_norms
 
 
 def _mlp_parameters(hidden: int, ffn: int, gated: bool, bias: bool) -> int:

@@ -20,8 +20,11 @@ at the training dtype. Pipeline stages hold the microbatches in flight:
 GPipe m, 1F1B and PipeDream min(m, p), interleaved min(m, p + (p−1)/v) on the first stage (its chunks taken as equal),
 counted for the layers the first stage holds.
 PipeDream's weight stashing (Narayanan et al., SOSP'19 §3.3; parallel/weight_stash.py) also keeps a copy of
-the stage's weights per version still owed a backward: stage r up to min(m, p − r) of them, the first stage
-min(m, p) (counted on the heaviest stage: exact where that is the first).
+the stage's weights per version still owed a backward. Stage r's forwards of microbatches 0..p−r−1 all run on
+version 0 (no backward has come yet), each later forward on a new one, and version 0 is freed at microbatch
+p−r−1's backward: min(p − r, max(1, m − p + r + 1)) versions at once (`stashed_versions`; equal to the executed
+schedule's for p ≤ 8, m < 20), on the first stage min(p, max(1, m − p + 1)) — one, not two, at m = p = 2, where every
+forward precedes the first update (counted on the heaviest stage: exact where that is the first).
 Twin of: parallel/zero.py and measure/ (held equal in tests/parallel/test_zero.py).
 """
 
@@ -89,15 +92,21 @@ def offloaded_optimizer_bytes(params, data_parallel, zero_stage, optimizer: str 
     return (4.0 + state) * params / shard
 
 
+def stashed_versions(pp, microbatches, stage=0):
+    """Weight versions PipeDream's stage `stage` of `pp` keeps at once over `microbatches` (module docstring)."""
+    ahead = np.asarray(pp) - stage  # the forwards before its first backward, all on version 0
+    return np.minimum(ahead, np.maximum(1, np.asarray(microbatches) - ahead + 1))
+
+
 def stage_parameters(breakdown: ParameterBreakdown, layout: Layout, stages: StageLayers, rank: str = "heaviest"):
     """(non-expert, expert) parameters one rank of a pipeline stage holds: the "first", the "last" or the "heaviest"
     of the two, for the layers each holds under the balanced split (`stages`).
 
-    Matmul weights split over TP; routed experts over EP·TP; norms and the router replicate.
+    Matmul weights split over TP; routed experts over EP·TP; norms (Q/K head norms too) and the router replicate.
     The first stage holds the embedding, the last the output layer (a second copy when tied and pp > 1).
     """
     tp, pp, ep = (np.asarray(x, dtype=float) for x in (layout.tp, layout.pp, layout.ep))
-    attention = breakdown.attention / tp + breakdown.layer_norms
+    attention = (breakdown.attention - breakdown.head_norms) / tp + breakdown.head_norms + breakdown.layer_norms
     dense_layer = attention + breakdown.dense_mlp / tp
     moe_layer = attention + breakdown.shared_experts / tp + breakdown.router
     expert_layer = breakdown.routed_experts / (ep * tp)
@@ -222,7 +231,7 @@ def training_memory(model: Model, layout: Layout, hbm_bytes: float, optimizer: s
     w1, g1, o1 = model_state_bytes(dense, dp, layout.zero, optimizer, dtype, layout.offload)
     w2, g2, o2 = model_state_bytes(experts, expert_dp, layout.zero, optimizer, dtype, layout.offload)
     weights, gradients, optimizer_bytes = w1 + w2, g1 + g2, o1 + o2
-    stashed = np.minimum(layout.microbatches, layout.pp) * DTYPE_BYTES[dtype] * (dense + experts)
+    stashed = stashed_versions(layout.pp, layout.microbatches) * DTYPE_BYTES[dtype] * (dense + experts)
     weights = weights + np.where(layout.schedule == 3, stashed, 0.0)
     offloaded = offloaded_optimizer_bytes(dense, dp, layout.zero, optimizer)
     offloaded = offloaded + offloaded_optimizer_bytes(experts, expert_dp, layout.zero, optimizer)

@@ -248,6 +248,7 @@ class TrainResult:
     step_s: list = field(default_factory=list)
     parameters: int = 0
     padded_parameters: int = 0
+    padded_expert_parameters: int = 0  # on a mesh under ZeRO with EP: those of the experts (their own ZeRO group)
     held_bytes: dict = field(default_factory=dict)  # rank 0, by category
     held_bytes_max: dict = field(default_factory=dict)  # the largest over ranks
     activation_bytes: int = 0  # saved for backward on rank 0: by one microbatch; on a mesh, the most held at once
@@ -384,6 +385,9 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
     data = TokenBatches(tokens, config.seq, config.global_batch, config.seed)
     count = sum(p.numel() for p in held)
     result = TrainResult(first_step=start, parameters=count, padded_parameters=count)
+    if zero is not None:
+        dense, experts = zero.padded_numel
+        result.padded_parameters, result.padded_expert_parameters = dense + experts, experts
     result.stage_layers = sum(len(chunk.layers) for chunk in pipeline.chunks) if pipeline else model.config.layers
     bubbles, executed, meter = [], None, ActivationMeter()
     for step in range(start, config.steps):
@@ -391,19 +395,27 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
         result.lrs.append(set_lr([z.optimizer for z in zeros] or [optimizer], config.lr_at(step)))
         inputs, targets = data.step(step, 0, 1)  # the global batch: composed_step shards it
         measure = meter if step == start else None  # the activations held at once, in the first step run
+        last = step == config.steps - 1  # the bytes each rank holds are measured after its update
         if config.schedule == "pipedream":  # the stages stepped the optimizer after every backward
             loss = composed_step(model, mesh, inputs, targets, config.microbatches, pipeline, logs, optimizer=optimizer,
                                  meter=measure)
+            if last:  # besides the live weights, the most the stash held; each version's gradient lived until its update
+                result.held_bytes = held_by_rank(plain_model_state_tensors(module, optimizer), model)
+                result.held_bytes["weights"] += sum(stash.peak_copy_bytes for stash in pipeline.stashes)
+                result.held_bytes["gradients"] = sum(stash.peak_gradient_bytes for stash in pipeline.stashes)
         elif zero is None:
             loss = composed_step(model, mesh, inputs, targets, config.microbatches, pipeline, logs, meter=measure)
             if config.clip_grad_norm:
                 result.grad_norms.append(clip_gradients(held, weights, config.clip_grad_norm, logs["gradient_norm"]))
             optimizer.step()
+            if last:
+                result.held_bytes = held_by_rank(plain_model_state_tensors(module, optimizer), model)
             optimizer.zero_grad(set_to_none=True)
         else:
             loss, norm = zero.train_step(lambda tied_gradient: composed_step(
                 model, mesh, inputs, targets, config.microbatches, pipeline, logs, reduce_data_parallel=False,
-                tied_gradient=tied_gradient, meter=measure), config.clip_grad_norm)
+                tied_gradient=tied_gradient, meter=measure), config.clip_grad_norm,
+                (lambda tensors: result.held_bytes.update(held_by_rank(tensors, model))) if last else None)
             if norm is not None:
                 result.grad_norms.append(norm)
         result.step_s.append(time.perf_counter() - began)
@@ -429,6 +441,14 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
     if result.step_s:
         result.tokens_per_s = config.global_batch * config.seq / statistics.median(result.step_s[1:] or result.step_s)
     return result
+
+
+def held_by_rank(tensors: dict, model: Llama) -> dict:
+    """Bytes by category of the model states `tensors` (the rank's share), its weights counted with every weight the
+    rank's copy of the whole model still holds — none beyond its share where the other pipeline stages' parts are on
+    the meta device (`parallel.pipeline.release_other_stages`), which is what the count checks."""
+    kept = [p for p in model.parameters() if p.device.type != "meta"]
+    return model_state_bytes({**tensors, "weights": [*tensors["weights"], *kept]})
 
 
 def _checkpoint_due(config: TrainConfig, step: int) -> bool:

@@ -2,7 +2,8 @@
 
 Model states must agree to the byte (padding included); wire bytes per op exactly (ring volumes);
 activations and step time are models, shown with their ratio. Predicted:
-- states: predict.memory.model_state_bytes over the padded parameter count Ψ the run reports;
+- states: predict.memory.model_state_bytes over the padded parameter count Ψ the run reports (on a device mesh, rank
+  0's after TP, PP and EP, its count without padding held against predict.memory.stage_parameters');
 - wire per step with m microbatches per rank: DDP all-reduce 2(N−1)/N·Ψ; ZeRO-1 reduce-scatter and
   all-gather (N−1)/N·Ψ each; ZeRO-2 reduce-scatter m times; ZeRO-3 all-gather 2m times and
   reduce-scatter m times (bytes of the compute dtype);
@@ -14,12 +15,13 @@ activations and step time are models, shown with their ratio. Predicted:
 import numpy as np
 
 from mlsyslab.parallel.schedules import build, peak_held, timeline
+from mlsyslab.predict.architecture import parameters
 from mlsyslab.predict.assumptions import DEFAULT, Assumptions
 from mlsyslab.predict.collectives import ring_all_reduce_bytes_per_rank, ring_shard_bytes_per_rank
 from mlsyslab.predict.hardware import Hardware
 from mlsyslab.predict.layout import Layout
 from mlsyslab.predict.memory import (eager_chunk_activation_bytes, first_stage_activation_bytes, model_state_bytes,
-                                     offloaded_optimizer_bytes)
+                                     offloaded_optimizer_bytes, stage_parameters, stashed_versions)
 from mlsyslab.predict.pipeline import stage_layers, virtual_stage_costs, virtual_stage_layers
 from mlsyslab.predict.training import predict_training
 from mlsyslab.specs.schema import DTYPE_BYTES, Model
@@ -49,18 +51,13 @@ def compare_training(config, result: dict, hardware: Hardware | None = None,
                      assumptions: Assumptions = DEFAULT) -> dict:
     spec = Model(**config.model)
     dtype, width = run_dtype(config)
-    stage, padded = config.zero_stage, result["padded_parameters"]
-    weights, gradients, optimizer = model_state_bytes(padded, config.nproc, stage, "adam", dtype, config.offload)
-    if config.strategy == "ddp" and config.bf16:  # DDP's --bf16 is bf16 weights: AdamW's two moments in bf16, no master
-        optimizer = 2.0 * width * padded
-    host = offloaded_optimizer_bytes(padded, config.nproc, stage) if config.offload else 0.0
-    layout = Layout.of(dp=config.nproc, zero=stage, micro_batch=config.micro_batch, global_batch=config.global_batch,
-                       seq=config.seq, offload=config.offload)
+    layout = Layout.of(dp=config.nproc, zero=config.zero_stage, micro_batch=config.micro_batch,
+                       global_batch=config.global_batch, seq=config.seq, offload=config.offload)
     activations = saved_activation_bytes(spec, layout, stage_layers(spec, layout), width, assumptions)
-    predicted_memory = {"weights": weights, "gradients": gradients, "optimizer": optimizer, "host_offload": host,
+    predicted_memory = {**predicted_model_states(config, [(result["padded_parameters"], config.nproc)]),
                         "activations": activations}
     measured_memory = {**result["held_bytes"], "activations": result["activation_bytes"]}
-    wire = predicted_wire_bytes(config.strategy, padded, config.nproc, config.microbatches, width,
+    wire = predicted_wire_bytes(config.strategy, result["padded_parameters"], config.nproc, config.microbatches, width,
                                 bool(config.clip_grad_norm))
     report = {
         "memory_bytes": {k: _pair(predicted_memory[k], measured_memory.get(k, 0)) for k in predicted_memory},
@@ -76,6 +73,22 @@ def compare_training(config, result: dict, hardware: Hardware | None = None,
     return report
 
 
+def predicted_model_states(config, groups: list) -> dict:
+    """Weights, gradients, optimizer state and host-offloaded bytes of a rank (predict.memory's model states) that
+    shards each (parameters, ranks) of `groups` over its ranks by the run's ZeRO stage."""
+    dtype, width = run_dtype(config)
+    states = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "host_offload": 0.0}
+    for count, ranks in groups:
+        weights, gradients, optimizer = model_state_bytes(count, ranks, config.zero_stage, "adam", dtype,
+                                                          config.offload)
+        if config.strategy == "ddp" and config.bf16:  # DDP's --bf16 is bf16 weights: AdamW's moments in bf16, no master
+            optimizer = 2.0 * width * count
+        host = offloaded_optimizer_bytes(count, ranks, config.zero_stage) if config.offload else 0.0
+        for category, value in zip(states, (weights, gradients, optimizer, host)):
+            states[category] += float(value)
+    return states
+
+
 def _pair(predicted, measured) -> dict:
     predicted = None if predicted is None else float(predicted)
     return {"predicted": predicted, "measured": measured, "ratio": _ratio(measured, predicted)}
@@ -89,10 +102,9 @@ def _ratio(measured, predicted):
 
 def compare_mesh_training(config, result: dict, hardware: Hardware | None = None,
                           assumptions: Assumptions = DEFAULT) -> dict:
-    """A --tp/--pp/--cp/--ep run beside predict.training on the same layout: bytes each dimension sends per
-    step on rank 0, the pipeline bubble (analytic, and simulated on the split's stage costs, vs the executed
-    timeline), and the step time when
-    `hardware` is given. Bytes and bubble do not depend on the hardware: without one they are taken
+    """A --tp/--pp/--cp/--ep run beside predict.training on the same layout: the parameters and model-state bytes rank
+    0 holds (`predicted_mesh_states`), bytes each dimension sends per step on rank 0, the pipeline bubble (analytic,
+    and simulated on the split's stage costs, vs the executed timeline), and the step time when `hardware` is given. Bytes and bubble do not depend on the hardware: without one they are taken
     from a prediction at the run's dtype on a catalog system (DGX-H100), whose times are not shown.
     Rank 0's bytes are predicted for the first stage's rank (predict.training's stage="first"), its activations by
     predict.memory (the first stage's), and the step time on the slowest rank: all for the layers each stage holds
@@ -137,8 +149,13 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
     measured_step = float(np.median(result["step_s"][1:] or result["step_s"])) if result["step_s"] else None
     schedule = build(config.schedule, config.pp, config.microbatches, config.interleave) if config.pp > 1 else None
     held = saved_activation_bytes(spec, layout, prediction.stages, width, assumptions, schedule)
+    dense, experts = (float(np.asarray(count).reshape(-1)[0])
+                      for count in stage_parameters(parameters(spec), layout, prediction.stages, "first"))
+    memory = predicted_mesh_states(config, result)
     report = {
-        "memory_bytes": {"activations": _pair(held, result["activation_bytes"])},
+        "parameters": _pair(dense + experts, result["parameters"]),
+        "memory_bytes": {**{category: _pair(memory[category], result["held_bytes"].get(category))
+                            for category in memory}, "activations": _pair(held, result["activation_bytes"])},
         "wire_bytes_per_step": {name: _pair(wire[name], result["wire_bytes_per_step"].get(name, 0.0)) for name in wire},
         "stage_layers": _pair(first_layers, result["stage_layers"]),
         "bubble": _pair(float(np.asarray(prediction.bubble_fraction).reshape(-1)[0]) if config.pp > 1 else None,
@@ -153,6 +170,20 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
         timed = predict_training(spec, carrier, layout, assumptions=assumptions)
         report["step_s"] = _pair(float(timed.step_s.reshape(-1)[0]), measured_step)
     return report
+
+
+def predicted_mesh_states(config, result: dict) -> dict:
+    """Rank 0's model states on a mesh (predict.memory's, for the layout's first stage): ZeRO shards the dense weights
+    over the DP × CP ranks and the experts over the dp·cp/ep ranks holding the same ones, each group padded as the run
+    reports (predict's parameter count without padding is the report's "parameters" row); PipeDream also keeps a copy of
+    the stage's weights for each version still owed a backward (predict.memory.stashed_versions)."""
+    dense_and_experts, experts = result["padded_parameters"], result["padded_expert_parameters"]
+    ranks = config.data_parallel * config.cp
+    states = predicted_model_states(config, [(dense_and_experts - experts, ranks), (experts, ranks // config.ep)])
+    if config.schedule == "pipedream" and config.pp > 1:
+        states["weights"] += float(stashed_versions(config.pp, config.microbatches)) * run_dtype(config)[1] \
+            * dense_and_experts
+    return states
 
 
 def saved_activation_bytes(spec: Model, layout: Layout, stages, width: float,
