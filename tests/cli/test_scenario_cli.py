@@ -64,6 +64,8 @@ def test_queue_prefix_and_disaggregation(capsys, monkeypatch):
      "--prompt-tokens"),
     (["predict", "prune", "--model", "llama-3-8b", "--hardware", "h100", "--tp", "3"], "--tp"),
     (["predict", "reasoning", "--model", "llama-3-8b", "--hardware", "h100", "--steps", "40"], "--prompt-tokens"),
+    (["predict", "serve", "--model", "llama-3-8b", "--hardware", "h100", "--prompt-tokens", "8000", "--output-tokens",
+      "500"], "--prompt-tokens + --output-tokens=8500"),  # the sum, once printed as --prompt-tokens=8500
     (["predict", "reasoning", "--model", "llama-3-8b", "--hardware", "h100", "--baseline-usd-per-year", "-1"],
      "--baseline-usd-per-year"),
     (["sensitivity", "--model", "llama-3-8b", "--hardware", "h100", "--prompt-tokens", "100000"], "--prompt-tokens"),

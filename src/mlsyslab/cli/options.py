@@ -89,14 +89,14 @@ def check_positive(high: int = MAX_COUNT, **values):
         check_range("--" + name.replace("_", "-"), value, 1, high)
 
 
-def check_model_shape(spec, tp: int = 1, tokens: int = 0, tokens_field: str = "--prompt-tokens",
+def check_model_shape(spec, tp: int = 1, tokens: int = 0, tokens_field: str = "--prompt-tokens + --output-tokens",
                       tp_field: str = "--tp") -> None:
-    """TP must divide the model's attention heads, and a sequence of `tokens` fit its context."""
+    """TP must divide the model's attention heads, and a sequence of `tokens` fit its context; `tokens_field` names
+    the options `tokens` adds up (an error once printed the sum as --prompt-tokens' value)."""
     if spec.heads % tp:
         raise InvalidValue(tp_field, tp, f"a divisor of the {spec.heads} attention heads of {spec.name}")
     if tokens > spec.max_seq:
-        what = "prompt + output" if tokens_field == "--prompt-tokens" else "the sequence"
-        raise InvalidValue(tokens_field, tokens, f"{what} <= the {spec.max_seq}-token context of {spec.name}")
+        raise InvalidValue(tokens_field, tokens, f"<= the {spec.max_seq}-token context of {spec.name}")
 
 
 def check_unused(why: str, *options: tuple) -> None:

@@ -184,7 +184,7 @@ def reasoning_command(
 
     spec, hw, assumptions = resolve(model, model_spec, hardware, hardware_spec, dtype, None)
     check_positive(steps=steps, tp=tp, batch=batch, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
-    check_model_shape(spec, tp, prompt_tokens + output_tokens * steps)
+    check_model_shape(spec, tp, prompt_tokens + output_tokens * steps, "--prompt-tokens + --output-tokens × --steps")
     check_range("--baseline-usd-per-year", baseline_usd_per_year, 0)
     long = predict_inference(spec, hw, batch, prompt_tokens, output_tokens * steps, tp, assumptions=assumptions)
     short = predict_inference(spec, hw, batch, prompt_tokens, output_tokens, tp, assumptions=assumptions)
@@ -418,7 +418,7 @@ def prefix_cache_command(
 
     spec, hw, assumptions = resolve(model, model_spec, hardware, hardware_spec, dtype, None)
     check_positive(prompt_tokens=prompt_tokens, batch=batch, tp=tp)
-    check_model_shape(spec, tp, prompt_tokens)
+    check_model_shape(spec, tp, prompt_tokens, "--prompt-tokens")
     check_range("--shared-fraction", shared_fraction, 0, 1)
     check_range("--hit-rate", hit_rate, 0, 1)
     remaining = float(prefix_cache_prefill_fraction(shared_fraction, hit_rate))
