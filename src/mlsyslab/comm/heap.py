@@ -26,7 +26,6 @@ a kept heap can still grow now and then, most likely where freed blocks were spl
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import platform
 
@@ -40,7 +39,8 @@ def keep_freed_memory() -> bool:
     """Serve blocks under 1 GiB from the heap and never trim it (glibc `mallopt`); whether it was set."""
     if platform.libc_ver()[0] != "glibc" or _switched_off():
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc = ctypes.CDLL(None)  # the process's own symbols, glibc's among them (find_library ran `ldconfig -p` as a
+    # child process of every starting rank: 9 ms, and a stray process for whoever counts a rank's children)
     return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
         libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
 
