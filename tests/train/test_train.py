@@ -299,7 +299,8 @@ def test_a_stopped_train_leaves_no_rank_running(tiny, tmp_path, signum):
         while time.time() < deadline and len(ranks) < 2 and run.poll() is None:
             time.sleep(0.2)
             servers = [p for p in _descendants(run.pid) if b"multiprocessing.forkserver" in _cmdline(p)]
-            ranks = [p for server in servers for p in _descendants(server)]  # forks of the server that imported torch
+            # forks of the server that imported torch (not whatever a rank may start: those run other commands)
+            ranks = [p for server in servers for p in _descendants(server) if p in servers]
         assert len(ranks) == 2, run.stderr.read() if run.poll() is not None else f"ranks found: {ranks}"
     except BaseException:  # a million-step run must not outlive a failed check
         for pid in [*_descendants(run.pid), run.pid]:
