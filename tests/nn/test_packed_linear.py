@@ -1,5 +1,7 @@
 """The oneDNN-prepacked serving copy computes what the plain model computes."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -110,12 +112,19 @@ def test_streamed_tiles_share_one_huge_page_buffer_in_step_order(monkeypatch):
     assert torch.equal(tiles[-1], cpu_kernels.load().stream_pack(model.lm_head.weight))
 
 
-def test_min_rows_prepares_only_the_kernels_it_can_reach():
-    """A copy for wide steps only (the engine's fp32 copy of 16-bit weights) prepares no kernel that
-    serves fewer rows, and still computes x Wᵀ."""
-    weight, x = torch.randn(48, 32), torch.randn(20, 32)
-    layer = PackedLinear(weight, min_rows=20)
-    assert all(below > 20 for below, _ in layer.plan)
-    for kernel in Kernel:
-        assert (layer.weight_for(kernel) is not None) == (kernel in {k for _, k in layer.plan})
-    torch.testing.assert_close(layer(x), x @ weight.T, atol=1e-4, rtol=1e-4)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_range_prepares_only_the_kernels_it_can_reach(dtype):
+    """A copy for wide steps only (the engine's fp32 copy of 16-bit weights) prepares no kernel that serves fewer
+    rows, one for narrow steps only (its 16-bit copy beside that) none that serves more; each still computes x Wᵀ."""
+    weight = torch.randn(48, 32).to(dtype)
+    whole = [kernel for _, kernel in PackedLinear(weight).plan]
+    for first, last in ((20, math.inf), (1, 16), (1, 3), (3, 20)):
+        layer = PackedLinear(weight, rows=(first, last))
+        bounds = [0] + [below for below, _ in PackedLinear(weight).plan]
+        reachable = {kernel for low, below, kernel in zip(bounds, bounds[1:], whole) if below > first and low < last}
+        assert {kernel for _, kernel in layer.plan} == reachable and reachable, (first, last)
+        for kernel in Kernel:
+            assert (layer.weight_for(kernel) is not None) == (kernel in reachable)
+        for rows in {first, last - 1} - {math.inf - 1}:
+            x = torch.randn(rows, 32).to(dtype)
+            torch.testing.assert_close(layer(x).float(), (x.float() @ weight.float().T), atol=5e-2, rtol=2e-2)

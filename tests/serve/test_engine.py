@@ -13,7 +13,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def llm():
     torch.set_num_threads(2)
-    return LLM("default", config=EngineConfig(kv_cache_bytes=300_000_000))
+    return LLM("default", config=EngineConfig(kv_cache_bytes=300_000_000), keep_source=True)  # tests build engines of
+    # its source model
 
 
 def test_greedy_answer_and_stop_conditions(llm):
@@ -160,6 +161,35 @@ def test_bf16_weights_run_wide_steps_on_their_exact_fp32_copy():
     expected = greedy_reference(copy.deepcopy(model).float(), prompt, 8)
     assert always.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0].output_ids == expected
     assert Engine(tiny_model(dtype=torch.float32), config=config).wide_model is None  # fp32 needs no copy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_engine_that_owns_its_model_holds_one_copy_of_each_matrix(dtype):
+    """keep_source=False (the server's engine, `mlsys generate`, LLM of a path): the source model keeps only what the
+    serving copies share with it (embedding, norms); a bf16 engine with an fp32 copy for wide steps prepares no
+    16-bit kernel for those; the outputs are those of an engine that keeps everything, wide steps and narrow, and
+    refreshing weights it no longer has is refused. (Once a bf16 SmolLM2 engine held its matrices four times over:
+    2.05 GB resident with a 64 MB KV pool, 1.13 GB now.)"""
+    import copy
+
+    from mlsyslab.nn.packed_linear import PackedLinear
+    from tests.serve.tiny import block_bytes, tiny_model
+
+    model = tiny_model(dtype=dtype)
+    config = EngineConfig(kv_cache_bytes=100 * block_bytes(16), fp32_steps_from=4)
+    prompts, params = [[5, 17, 3, 60, 41, 9], [7, 2]], SamplingParams(max_tokens=6, temperature=0)
+    kept = LLM(copy.deepcopy(model), config=config)
+    expected = [output.output_ids for output in kept.generate(prompts, params)]
+    owner = LLM(model, config=config, keep_source=False)
+    assert [output.output_ids for output in owner.generate(prompts, params)] == expected
+    held = {name for name, parameter in model.named_parameters() if parameter.device.type != "meta"}
+    assert held and all("norm" in name or "embed" in name for name in held), held
+    assert all(p.device.type != "meta" for p in kept.engine.source_model.parameters())
+    narrow = [m for m in owner.engine.model.modules() if isinstance(m, PackedLinear)]
+    if owner.engine.wide_model is not None:  # its steps from 4 tokens on run the fp32 copy: no kernel only for those
+        assert narrow and all(low < 4 for m in narrow for low in [0] + [below for below, _ in m.plan[:-1]])
+    with pytest.raises(RuntimeError, match="keep_source"):
+        owner.engine.refresh_weights()
 
 
 def test_prompt_logprobs_equal_the_training_paths_through_chunks_cache_and_preemption():

@@ -143,7 +143,7 @@ def generate_command(
     config = loaded.config
     context_bytes = config.kv_elements_per_token * (config.max_seq + 16) * loaded.embed_tokens.weight.element_size()
     llm = LLM(loaded, tokenizer, config=engine_config(context_bytes / 1e9, 16, 512, 1, 1, False,
-                                                      speculative_tokens=speculative_tokens))
+                                                      speculative_tokens=speculative_tokens), keep_source=False)
     start = time.perf_counter()
     prompt_ids = llm.encode(prompt) if raw else tokenizer.chat_ids([{"role": "user", "content": prompt}])
     try:

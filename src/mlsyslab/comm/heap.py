@@ -45,6 +45,16 @@ def keep_freed_memory() -> bool:
         libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
 
 
+def return_freed_memory() -> bool:
+    """Give the heap's free pages back to the kernel now (glibc `malloc_trim(0)`), after a one-time build that freed
+    more than it keeps — the serving engine's copies of a model's weights freed ~470 MB of SmolLM2's temporaries,
+    which the process went on holding. Whether it was done (glibc only)."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    ctypes.CDLL(None).malloc_trim(0)
+    return True
+
+
 def environment() -> dict[str, str]:
     """`keep_freed_memory()` as glibc's environment variables (empty under MLSYS_KEEP_HEAP=0)."""
     if _switched_off():

@@ -79,15 +79,24 @@ class Kernel(enum.IntEnum):
 class PackedLinear(nn.Module):
     """y = x Wᵀ through the kernel `kernel_plan` picks for the step's row count. No bias, no gradients."""
 
-    def __init__(self, weight: torch.Tensor, batch_hint: int = BATCH_HINT, min_rows: int = 1):
-        """weight [out, in]; copied (the layer is a snapshot: training the original changes nothing here).
-        min_rows: the smallest product it will compute — kernels only for fewer rows are not prepared."""
+    def __init__(self, weight: torch.Tensor, batch_hint: int = BATCH_HINT, rows: tuple = (1, math.inf),
+                 owned: bool = False):
+        """weight [out, in]; copied unless `owned` (the layer is a snapshot: training the original changes nothing
+        here). rows: [first, last), the products it will compute — kernels only for row counts outside are not
+        prepared (the engine's bf16 copy, whose wide steps run on an fp32 copy, kept a plain bf16 weight it never
+        used: 270 MB of SmolLM2's)."""
         super().__init__()
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
-        self.plan = tuple((below, kernel) for below, kernel in kernel_plan(weight.dtype) if below > min_rows)
+        first, last = rows
+        plan, low = [], 0
+        for below, kernel in kernel_plan(weight.dtype):
+            if below > first and low < last:
+                plan.append((below, kernel))
+            low = below
+        self.plan = tuple(plan)
         kernels = {kernel for _, kernel in self.plan}
-        self.register_buffer("plain_weight", weight.clone() if Kernel.PLAIN in kernels else None)
+        self.register_buffer("plain_weight", (weight if owned else weight.clone()) if Kernel.PLAIN in kernels else None)
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
                              if Kernel.PACKED in kernels else None)
         self.register_buffer("stream_tiles", cpu_kernels.load().stream_pack(weight) if Kernel.STREAMED in kernels else None)
@@ -184,16 +193,16 @@ def can_pack(model: Llama) -> bool:
         return False
 
 
-def packed_for_inference(model: Llama, min_rows: int = 1) -> Llama:
+def packed_for_inference(model: Llama, rows: tuple = (1, math.inf)) -> Llama:
     """A copy of `model` for serving: q/k/v and gate/up fused into one prepacked matrix each, every
     other linear prepacked; embeddings and norm weights shared. Where the C++ kernels build
     (`nn.cpu_kernels`), RMSNorm, rope and silu·up run as one pass each. The original is untouched.
-    min_rows: the smallest step the copy will run (`PackedLinear`)."""
+    rows: [first, last), the step sizes the copy will run (`PackedLinear`)."""
     packed = copy.copy(model)  # shallow: embeddings and norms are shared, not copied
     packed._modules = dict(model._modules)
     kernels = cpu_kernels.serves(model.lm_head.weight)
-    packed.layers = nn.ModuleList(packed_layer(layer, kernels, min_rows) for layer in model.layers)
-    packed.lm_head = PackedLinear(model.lm_head.weight, min_rows=min_rows)
+    packed.layers = nn.ModuleList(packed_layer(layer, kernels, rows) for layer in model.layers)
+    packed.lm_head = PackedLinear(model.lm_head.weight, rows=rows)
     if kernels:
         packed.norm = cpu_kernels.KernelRMSNorm(model.norm)
     onto_huge_pages([linear for layer in packed.layers for linear in (
@@ -217,14 +226,14 @@ def onto_huge_pages(linears: list[PackedLinear]) -> None:
         offset += size
 
 
-def packed_layer(layer: nn.Module, kernels: bool, min_rows: int) -> nn.Module:
+def packed_layer(layer: nn.Module, kernels: bool, rows: tuple) -> nn.Module:
     attention, mlp = shallow_copy(layer.self_attn), shallow_copy(layer.mlp)
     names = ("q_proj", "k_proj", "v_proj")
-    attention.fused_qkv = FusedPackedLinear([attention._modules.pop(name) for name in names], min_rows=min_rows)
-    attention.o_proj = PackedLinear(attention.o_proj.weight, min_rows=min_rows)
+    attention.fused_qkv = FusedPackedLinear([attention._modules.pop(name) for name in names], rows=rows)
+    attention.o_proj = PackedLinear(attention.o_proj.weight, rows=rows)
     names = ("gate_proj", "up_proj")
-    mlp.fused_gate_up = FusedPackedLinear([mlp._modules.pop(name) for name in names], min_rows=min_rows)
-    mlp.down_proj = PackedLinear(mlp.down_proj.weight, min_rows=min_rows)
+    mlp.fused_gate_up = FusedPackedLinear([mlp._modules.pop(name) for name in names], rows=rows)
+    mlp.down_proj = PackedLinear(mlp.down_proj.weight, rows=rows)
     new = shallow_copy(layer)
     new.self_attn, new.mlp = attention, mlp
     if kernels:
@@ -248,8 +257,8 @@ class FusedPackedLinear(PackedLinear):
     (all or none: Qwen2's q/k/v) are added after the product, as one add over the fused row (`bias`), which the C++
     decode steps repeat in the same dtype (nn/csrc/decode_layers.cpp, streamed_decode.cpp)."""
 
-    def __init__(self, linears: list[nn.Linear], batch_hint: int = BATCH_HINT, min_rows: int = 1):
-        super().__init__(torch.cat([linear.weight.detach() for linear in linears]), batch_hint, min_rows)
+    def __init__(self, linears: list[nn.Linear], batch_hint: int = BATCH_HINT, rows: tuple = (1, math.inf)):
+        super().__init__(torch.cat([linear.weight.detach() for linear in linears]), batch_hint, rows, owned=True)
         self.sizes = [linear.out_features for linear in linears]
         biased = [linear.bias is not None for linear in linears]
         if any(biased) and not all(biased):

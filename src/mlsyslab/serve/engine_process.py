@@ -259,7 +259,7 @@ def run_engine(model, tokenizer, config, threads: int | None, commands, results,
             torch.set_num_threads(threads)
         model = model if isinstance(model, torch.nn.Module) else model()
         tokenizer = tokenizer() if callable(tokenizer) else tokenizer
-        engine = Engine(model, tokenizer, config)
+        engine = Engine(model, tokenizer, config, keep_source=False)  # no one here trains it: one copy of its matrices
         del model
     except MlsysError as error:
         results.send(("invalid", error))
