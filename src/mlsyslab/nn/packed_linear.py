@@ -80,13 +80,15 @@ class PackedLinear(nn.Module):
     """y = x Wᵀ through the kernel `kernel_plan` picks for the step's row count. No bias, no gradients."""
 
     def __init__(self, weight: torch.Tensor, batch_hint: int = BATCH_HINT, rows: tuple = (1, math.inf),
-                 owned: bool = False):
+                 owned: bool = False, dtype: torch.dtype | None = None):
         """weight [out, in]; copied unless `owned` (the layer is a snapshot: training the original changes nothing
-        here). rows: [first, last), the products it will compute — kernels only for row counts outside are not
-        prepared (the engine's bf16 copy, whose wide steps run on an fp32 copy, kept a plain bf16 weight it never
-        used: 270 MB of SmolLM2's)."""
+        here), in `dtype` if given. rows: [first, last), the products it will compute — kernels only for row counts
+        outside are not prepared (the engine's bf16 copy, whose wide steps run on an fp32 copy, kept a plain bf16
+        weight it never used: 270 MB of SmolLM2's)."""
         super().__init__()
         weight = weight.detach()
+        if dtype is not None and dtype != weight.dtype:
+            weight, owned = weight.to(dtype), True
         self.out_features, self.in_features = weight.shape
         first, last = rows
         plan, low = [], 0
@@ -176,35 +178,41 @@ def onednn_packs_bf16() -> bool:
     return True
 
 
-def can_pack(model: Llama) -> bool:
-    """oneDNN packing applies to fp32 / bf16 weights on a CPU with a oneDNN-enabled torch."""
+def can_pack(model: Llama, dtype: torch.dtype | None = None) -> bool:
+    """oneDNN packing applies to fp32 / bf16 weights (`model`'s, or a copy of them in `dtype`) on a CPU with a
+    oneDNN-enabled torch."""
     if not isinstance(model.lm_head, nn.Linear) or model.config.experts:  # already packed, or MoE (not packed yet)
         return False
     weight = model.lm_head.weight
-    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+    dtype = dtype or weight.dtype
+    if weight.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return False
     if not torch.backends.mkldnn.is_available():
         return False
     try:  # the op is private: check it exists and agrees with F.linear before relying on it
-        probe = nn.Linear(8, 4, bias=False).to(weight.dtype)
-        x = torch.randn(3, 8, dtype=weight.dtype)
+        probe = nn.Linear(8, 4, bias=False).to(dtype)
+        x = torch.randn(3, 8, dtype=dtype)
         return torch.allclose(PackedLinear(probe.weight)(x).float(), probe(x).float(), atol=1e-2, rtol=1e-2)
     except (RuntimeError, AttributeError):
         return False
 
 
-def packed_for_inference(model: Llama, rows: tuple = (1, math.inf)) -> Llama:
+def packed_for_inference(model: Llama, rows: tuple = (1, math.inf), dtype: torch.dtype | None = None) -> Llama:
     """A copy of `model` for serving: q/k/v and gate/up fused into one prepacked matrix each, every
     other linear prepacked; embeddings and norm weights shared. Where the C++ kernels build
     (`nn.cpu_kernels`), RMSNorm, rope and silu·up run as one pass each. The original is untouched.
-    rows: [first, last), the step sizes the copy will run (`PackedLinear`)."""
+    rows: [first, last), the step sizes the copy will run (`PackedLinear`). dtype: the copy's, if not the model's —
+    each matrix converted as it is packed, the embedding and norms copied in it (the engine's fp32 copy of 16-bit
+    weights once converted the whole model first: 538 MB of SmolLM2's at once, for nothing)."""
+    dtype = None if dtype == model.lm_head.weight.dtype else dtype
     packed = copy.copy(model)  # shallow: embeddings and norms are shared, not copied
     packed._modules = dict(model._modules)
-    kernels = cpu_kernels.serves(model.lm_head.weight)
-    packed.layers = nn.ModuleList(packed_layer(layer, kernels, rows) for layer in model.layers)
-    packed.lm_head = PackedLinear(model.lm_head.weight, rows=rows)
+    kernels = cpu_kernels.serves(model.lm_head.weight.new_empty(0, dtype=dtype))
+    packed.layers = nn.ModuleList(packed_layer(layer, kernels, rows, dtype) for layer in model.layers)
+    packed.lm_head = PackedLinear(model.lm_head.weight, rows=rows, dtype=dtype)
+    packed.embed_tokens, packed.norm = converted(model.embed_tokens, dtype), converted(model.norm, dtype)
     if kernels:
-        packed.norm = cpu_kernels.KernelRMSNorm(model.norm)
+        packed.norm = cpu_kernels.KernelRMSNorm(packed.norm)
     onto_huge_pages([linear for layer in packed.layers for linear in (
         layer.self_attn.fused_qkv, layer.self_attn.o_proj, layer.mlp.fused_gate_up, layer.mlp.down_proj)] + [packed.lm_head])
     return packed.eval()
@@ -226,23 +234,32 @@ def onto_huge_pages(linears: list[PackedLinear]) -> None:
         offset += size
 
 
-def packed_layer(layer: nn.Module, kernels: bool, rows: tuple) -> nn.Module:
+def packed_layer(layer: nn.Module, kernels: bool, rows: tuple, dtype: torch.dtype | None = None) -> nn.Module:
     attention, mlp = shallow_copy(layer.self_attn), shallow_copy(layer.mlp)
     names = ("q_proj", "k_proj", "v_proj")
-    attention.fused_qkv = FusedPackedLinear([attention._modules.pop(name) for name in names], rows=rows)
-    attention.o_proj = PackedLinear(attention.o_proj.weight, rows=rows)
+    attention.fused_qkv = FusedPackedLinear([attention._modules.pop(name) for name in names], rows=rows, dtype=dtype)
+    attention.o_proj = PackedLinear(attention.o_proj.weight, rows=rows, dtype=dtype)
     names = ("gate_proj", "up_proj")
-    mlp.fused_gate_up = FusedPackedLinear([mlp._modules.pop(name) for name in names], rows=rows)
-    mlp.down_proj = PackedLinear(mlp.down_proj.weight, rows=rows)
+    mlp.fused_gate_up = FusedPackedLinear([mlp._modules.pop(name) for name in names], rows=rows, dtype=dtype)
+    mlp.down_proj = PackedLinear(mlp.down_proj.weight, rows=rows, dtype=dtype)
+    if attention.q_norm is not None:
+        attention.q_norm, attention.k_norm = converted(attention.q_norm, dtype), converted(attention.k_norm, dtype)
     new = shallow_copy(layer)
     new.self_attn, new.mlp = attention, mlp
+    new.input_layernorm = converted(layer.input_layernorm, dtype)
+    new.post_attention_layernorm = converted(layer.post_attention_layernorm, dtype)
     if kernels:
         attention.rope, mlp.silu_and_mul = cpu_kernels.rope, cpu_kernels.silu_and_mul
         if attention.q_norm is not None:
             attention.q_norm, attention.k_norm = map(cpu_kernels.KernelRMSNorm, (attention.q_norm, attention.k_norm))
-        new.input_layernorm = cpu_kernels.KernelRMSNorm(layer.input_layernorm)
-        new.post_attention_layernorm = cpu_kernels.KernelRMSNorm(layer.post_attention_layernorm)
+        new.input_layernorm = cpu_kernels.KernelRMSNorm(new.input_layernorm)
+        new.post_attention_layernorm = cpu_kernels.KernelRMSNorm(new.post_attention_layernorm)
     return new
+
+
+def converted(module: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+    """`module` itself, or a copy of it in `dtype`."""
+    return module if dtype is None else copy.deepcopy(module).to(dtype)
 
 
 def shallow_copy(module: nn.Module) -> nn.Module:
@@ -257,13 +274,16 @@ class FusedPackedLinear(PackedLinear):
     (all or none: Qwen2's q/k/v) are added after the product, as one add over the fused row (`bias`), which the C++
     decode steps repeat in the same dtype (nn/csrc/decode_layers.cpp, streamed_decode.cpp)."""
 
-    def __init__(self, linears: list[nn.Linear], batch_hint: int = BATCH_HINT, rows: tuple = (1, math.inf)):
-        super().__init__(torch.cat([linear.weight.detach() for linear in linears]), batch_hint, rows, owned=True)
+    def __init__(self, linears: list[nn.Linear], batch_hint: int = BATCH_HINT, rows: tuple = (1, math.inf),
+                 dtype: torch.dtype | None = None):
+        super().__init__(torch.cat([linear.weight.detach() for linear in linears]), batch_hint, rows, owned=True,
+                         dtype=dtype)
         self.sizes = [linear.out_features for linear in linears]
         biased = [linear.bias is not None for linear in linears]
         if any(biased) and not all(biased):
             raise ValueError("fused linears have biases all or none")
-        self.register_buffer("bias", torch.cat([linear.bias.detach() for linear in linears]) if all(biased) else None)
+        bias = torch.cat([linear.bias.detach() for linear in linears]) if all(biased) else None
+        self.register_buffer("bias", bias.to(dtype) if bias is not None and dtype is not None else bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = super().forward(x)

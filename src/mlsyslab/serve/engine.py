@@ -139,7 +139,9 @@ class Engine:
             wide_from = default_fp32_steps_from()
         if wide_from <= 0:
             return None, 0
-        return self.serving_copy(copy.deepcopy(model).float(), (wide_from, math.inf))[0], wide_from
+        if self.config.packed_linears and can_pack(model, torch.float32):  # each matrix converted as it is packed
+            return packed_for_inference(model, (wide_from, math.inf), torch.float32), wide_from
+        return copy.deepcopy(model).float(), wide_from
 
     def model_for(self, tokens: int) -> Llama:
         """The model a step of `tokens` tokens runs: the fp32 copy from `wide_from` tokens on, if there is one."""
