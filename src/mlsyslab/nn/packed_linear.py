@@ -22,7 +22,7 @@ cores, 30 layers of SmolLM2-135M's matrices; benchmarks/serve.py runs the model 
   PACKED fp32 28; over the model's matrices STREAMED is ahead of PACKED fp32 up to 16-24 rows in
   both dtypes (bf16 at 16 rows: 38.8 against 40.0 ms), so it takes steps under 16 rows, PACKED the
   fp32 steps above and PLAIN the bf16 ones (the engine runs wide steps on an fp32 copy there anyway:
-  `serve.engine.Engine.wide_step_model`);
+  `serve.engine.Engine.wide_steps_from`);
 - AVX-512 host with AVX512_BF16, no AMX (AMD Zen 4, 2026-11-25; the tiles on huge pages, alternating
   in one process, medians of 6): STREAMED against PACKED at 1 / 4 / 8 / 16 rows, bf16 9.4 / 15.3 /
   23.7 / 40.0 ms against 15.4 / 15.0 / 16.3 / 20.8, fp32 22.0 / 25.2 / 31.2 / 45.4 against 26.2 / 24.1 /

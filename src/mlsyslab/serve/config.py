@@ -11,7 +11,7 @@ from mlsyslab.measure.host import cpu_has_bf16_dot
 
 def default_fp32_steps_from() -> int:
     """Steps of this many tokens or more run 16-bit CPU weights on an fp32 copy, by default: 16 where the CPU has no
-    bf16 dot product (its fp32 GEMM is the faster there), else 0, never (`Engine.wide_step_model`)."""
+    bf16 dot product (its fp32 GEMM is the faster there), else 0, never (`Engine.wide_steps_from`)."""
     return 0 if cpu_has_bf16_dot() else 16
 
 
@@ -20,7 +20,7 @@ def compute_dtype(hardware: str, dtype: str) -> str:
     hardware for (the weights' bytes stay `dtype`'s).
 
     On this machine (local), where the CPU has no bf16 dot product the engine multiplies bf16 weights in fp32 (its
-    streamed kernel widens them; steps from 16 tokens take an fp32 copy: `Engine.wide_step_model`), so the peak is the
+    streamed kernel widens them; steps from 16 tokens take an fp32 copy: `Engine.wide_steps_from`), so the peak is the
     fp32 one: the spec's bf16 peak is torch's own bf16 matmul, 3.2 GFLOP/s against 128 in fp32 on two Zen 3 cores, at
     which the twin predicted a 94 ms bf16 step where 11.4 ms were measured (2026-11-28)."""
     widens = hardware == "local" and dtype == "bf16" and default_fp32_steps_from() > 0
@@ -41,7 +41,7 @@ class EngineConfig:
     packed_linears: bool = True  # oneDNN-prepacked weights on CPU (nn.packed_linear); off: F.linear
     fused_decode: bool = True  # decode-only steps run every layer in one C++ call where it applies (nn.fused_decode)
     fp32_steps_from: int | None = None  # 16-bit CPU weights: steps of this many tokens or more run on an fp32
-    # copy of them (None: `default_fp32_steps_from()`, 0: never); see `wide_step_model`
+    # copy of them (None: `default_fp32_steps_from()`, 0: never); see `Engine.wide_steps_from`
     decode_steps: int = 8  # decodes may run up to this many steps in one call while nobody waits
     # (multi-step decoding; 1: off); see `steps_ahead`
     decode_ahead_s: float = 0.1  # ... and only as many as take about this long (what an arrival may wait)
