@@ -65,7 +65,7 @@ def release_matrices(source: Llama, serving: Llama, wide: Llama | None) -> None:
     own packed matrices; what the copies share with it (embedding, norms, a tied head) stays."""
     if serving is source:  # not packed: the source is what runs
         return
-    shared = {id(p) for copy in (serving, wide) if copy is not None for p in copy.parameters()}
+    shared = {id(p) for twin in (serving, wide) if twin is not None for p in twin.parameters()}
     for module in source.modules():
         if isinstance(module, torch.nn.Linear) and not any(id(p) in shared for p in module.parameters()):
             module.to("meta")
