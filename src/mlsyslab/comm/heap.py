@@ -37,10 +37,9 @@ TRIM_THRESHOLD_BYTES = 2**31 - 1  # mallopt takes an int
 
 def keep_freed_memory() -> bool:
     """Serve blocks under 1 GiB from the heap and never trim it (glibc `mallopt`); whether it was set."""
-    if platform.libc_ver()[0] != "glibc" or _switched_off():
+    libc = _glibc()
+    if libc is None or _switched_off():
         return False
-    libc = ctypes.CDLL(None)  # the process's own symbols, glibc's among them (find_library ran `ldconfig -p` as a
-    # child process of every starting rank: 9 ms, and a stray process for whoever counts a rank's children)
     return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
         libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
 
@@ -49,10 +48,18 @@ def return_freed_memory() -> bool:
     """Give the heap's free pages back to the kernel now (glibc `malloc_trim(0)`), after a one-time build that freed
     more than it keeps — the serving engine's copies of a model's weights freed ~470 MB of SmolLM2's temporaries,
     which the process went on holding. Whether it was done (glibc only)."""
-    if platform.libc_ver()[0] != "glibc":
+    libc = _glibc()
+    if libc is None:
         return False
-    ctypes.CDLL(None).malloc_trim(0)
+    libc.malloc_trim(0)
     return True
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """The process's own symbols, glibc's among them, where the C library is glibc (`ctypes.util.find_library` ran
+    `ldconfig -p` as a child process of every starting rank: 9 ms, and a stray process for whoever counts a rank's
+    children)."""
+    return ctypes.CDLL(None) if platform.libc_ver()[0] == "glibc" else None
 
 
 def environment() -> dict[str, str]:

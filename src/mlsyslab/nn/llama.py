@@ -331,6 +331,15 @@ class SwiGLU(nn.Module):
         return self.down_proj(hidden) if residual is None else add_projection(residual, self.down_proj, hidden)
 
 
+def release_unheld(parts, held: nn.Module) -> None:
+    """Move each module of `parts` none of whose parameters `held` holds to the meta device: shapes kept, no bytes
+    (what a pipeline rank does not run, a serving engine's source matrices once its copies hold them)."""
+    kept = {id(p) for p in held.parameters()}
+    for part in parts:
+        if not any(id(p) in kept for p in part.parameters()):
+            part.to("meta")
+
+
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 

@@ -40,7 +40,7 @@ from mlsyslab.comm.log import CommLog
 from mlsyslab.comm.p2p import Wire
 from mlsyslab.errors import InvalidValue
 from mlsyslab.measure.memory import ActivationMeter
-from mlsyslab.nn.llama import Llama, causal_attention
+from mlsyslab.nn.llama import Llama, causal_attention, release_unheld
 from mlsyslab.nn.rope import rope_cos_sin, rope_inverse_frequencies
 from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, MixtureOfExperts, balancing_losses
 from mlsyslab.parallel.context import ring_attention, zigzag_indices
@@ -97,10 +97,7 @@ def release_other_stages(model: Llama, chunks: nn.ModuleList) -> None:
     the norm and head off the last) to the meta device: shapes kept, no bytes. Without it every rank kept the whole
     model it was built from, and a pipeline saved no memory of weights (llama-tiny on PP 2: rank 0 held stage 1's
     layers too). A tied embedding stays on the first stage and the last, which hold it."""
-    held = {id(p) for p in chunks.parameters()}
-    for part in (*model.layers, model.embed_tokens, model.norm, model.lm_head):
-        if not any(id(p) in held for p in part.parameters()):
-            part.to("meta")
+    release_unheld((*model.layers, model.embed_tokens, model.norm, model.lm_head), chunks)
 
 
 def forward_flops_per_token(module: nn.Module) -> float:

@@ -95,7 +95,7 @@ def parameters(model: Model) -> ParameterBreakdown:
         unembedding=0 if model.tied_embeddings else model.vocab * h,
         output_projection=model.vocab * h,
         attention=attention,
-        head_norms=2 * model.attention_head_dim if model.qk_norm and model.mla is None else 0,
+        head_norms=_head_norm_parameters(model),
         dense_mlp=dense_mlp,
         routed_experts=routed,
         routed_expert=expert,
@@ -130,7 +130,12 @@ def _attention_parameters(model: Model) -> int:
         bias = q_width + 2 * kv_width + h
     elif model.qkv_bias:
         bias = q_width + 2 * kv_width
-    return weights + bias + (2 * hd if model.qk_norm else 0)  # ParameterBreakdown.head_norms
+    return weights + bias + _head_norm_parameters(model)
+
+
+def _head_norm_parameters(model: Model) -> int:
+    """Qwen3's query and key head norms: one head's width each (none under MLA)."""
+    return 2 * model.attention_head_dim if model.qk_norm and model.mla is None else 0
 
 
 def _mlp_parameters(hidden: int, ffn: int, gated: bool, bias: bool) -> int:

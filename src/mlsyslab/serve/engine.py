@@ -43,7 +43,7 @@ import torch
 
 from mlsyslab.comm import heap
 from mlsyslab.errors import InvalidValue
-from mlsyslab.nn.llama import Llama
+from mlsyslab.nn.llama import Llama, release_unheld
 from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.fused_decode import FusedDecode
 from mlsyslab.nn.packed_linear import can_pack, packed_for_inference
@@ -65,10 +65,8 @@ def release_matrices(source: Llama, serving: Llama, wide: Llama | None) -> None:
     own packed matrices; what the copies share with it (embedding, norms, a tied head) stays."""
     if serving is source:  # not packed: the source is what runs
         return
-    shared = {id(p) for twin in (serving, wide) if twin is not None for p in twin.parameters()}
-    for module in source.modules():
-        if isinstance(module, torch.nn.Linear) and not any(id(p) in shared for p in module.parameters()):
-            module.to("meta")
+    linears = [module for module in source.modules() if isinstance(module, torch.nn.Linear)]
+    release_unheld(linears, torch.nn.ModuleList(twin for twin in (serving, wide) if twin is not None))
 
 
 class Engine:
