@@ -55,11 +55,17 @@ def test_split_balances_predicted_cost_with_the_output_layer(stages):
                 max_seq=64),
     LlamaConfig(vocab=2048, hidden=32, layers=9, heads=4, kv_heads=2, head_dim=8, ffn_hidden=48, tied_embeddings=False,
                 max_seq=64, experts=4, experts_per_token=2, expert_ffn_hidden=24, dense_layers=2),
-], ids=["tied, large vocabulary", "untied", "MoE after 2 dense layers"])
+    LlamaConfig(vocab=512, hidden=32, layers=8, heads=4, kv_heads=2, head_dim=8, ffn_hidden=96, tied_embeddings=False,
+                max_seq=64, experts=8, experts_per_token=1, expert_ffn_hidden=24, dense_layers=2),
+], ids=["tied, large vocabulary", "untied", "MoE after 2 dense layers", "MoE layers hold the most"])
 def test_predict_splits_the_stages_as_the_pipeline_does(config):
     """predict.pipeline.stage_layers, from the architecture alone, gives each rank the layers `split` gives it from
     the built model's weights (virtual stage i on rank i mod p), the experts' layers among them too; and
-    virtual_stage_costs each virtual stage's forward FLOPs per token as the built layers count them."""
+    virtual_stage_costs each virtual stage's forward FLOPs per token as the built layers count them; and
+    predict.memory.stage_parameters the parameters of the first rank, the last and the heaviest — a middle one where
+    the split, balancing FLOPs, gives it the layers of many experts (predict once took the heavier of first and last)."""
+    from mlsyslab.predict.architecture import parameters
+    from mlsyslab.predict.memory import stage_parameters
     from mlsyslab.predict.pipeline import stage_layers, virtual_stage_costs
 
     model, spec = Llama(config), config.to_spec("probe", 1, "test")
@@ -67,8 +73,11 @@ def test_predict_splits_the_stages_as_the_pipeline_does(config):
         if p * v > config.layers:
             continue
         held, moe_held, costs = [0] * p, [0] * p, []
+        weights = [model.embed_tokens.weight.numel()] + [0] * (p - 2) + [0]  # a tied head: a second copy on the last
+        weights[-1] += sum(w.numel() for w in (*model.norm.parameters(), *model.lm_head.parameters()))
         for stage, (first, last) in enumerate(split(model, p * v)):
             held[stage % p] += last - first
+            weights[stage % p] += sum(w.numel() for layer in model.layers[first:last] for w in layer.parameters())
             moe_held[stage % p] += max(0, last - max(first, config.dense_layers)) if config.experts else 0
             costs.append(sum(forward_flops_per_token(layer) for layer in model.layers[first:last])
                          + (forward_flops_per_token(model.lm_head) if stage == p * v - 1 else 0))
@@ -78,6 +87,9 @@ def test_predict_splits_the_stages_as_the_pipeline_does(config):
         assert (float(predicted.first), float(predicted.last)) == (held[0], held[-1]), (p, v, held)
         assert (float(predicted.first_moe), float(predicted.last_moe)) == (moe_held[0], moe_held[-1]), (p, v)
         assert float(predicted.busiest_other) in held[:-1]
+        for rank, count in (("first", weights[0]), ("last", weights[-1]), ("heaviest", max(weights))):
+            assert sum(float(x) for x in stage_parameters(parameters(spec), layout, predicted, rank)) == count, \
+                (p, v, rank, weights)
 
 
 def test_activations_in_flight():

@@ -172,6 +172,15 @@ def _print(config, result, comparison) -> None:
                                                                 ratio(v["ratio"]))
                                                                for k, v in comparison["memory_bytes"].items()],
                             ("category", "predicted", "measured", "measured / predicted")))
+    heaviest = comparison.get("heaviest_rank")
+    if heaviest and config.pp > 1:  # the stage the planner's memory per accelerator prices
+        count = heaviest["parameters"]
+        console.print(table(f"model states on the heaviest rank (rank {heaviest['rank']}, stage {heaviest['stage']})",
+                            [("parameters (count)", f"{count['predicted']:,.0f}", f"{count['measured']:,}",
+                              ratio(count["ratio"]))]
+                            + [(k, fmt(v["predicted"]), fmt(v["measured"]), ratio(v["ratio"]))
+                               for k, v in heaviest["memory_bytes"].items()],
+                            ("category", "predicted", "measured", "measured / predicted")))
     console.print(table("bytes on the wire per step (rank 0)", [(k, fmt(v["predicted"]), fmt(v["measured"]), ratio(v["ratio"]))
                                                                 for k, v in comparison["wire_bytes_per_step"].items()],
                         ("op", "predicted", "measured", "measured / predicted")))

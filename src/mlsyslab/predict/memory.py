@@ -7,8 +7,8 @@ gradients, ZeRO-3 also weights: 16Ψ → 4Ψ+12Ψ/N → 2Ψ+14Ψ/N → 16Ψ/N. P
 master (K = 4); fp32 training keeps no master copy (Adam K = 8, SGD K = 0).
 ZeRO-Offload moves the optimizer to the host: an fp32 master (even for fp32 training, since the
 device keeps its own weights) plus the fp32 state, 12Ψ/N for Adam.
-Ψ is what one rank holds after tensor, pipeline and expert sharding (the heavier of the first and last pipeline
-stages, for the layers each holds under the cost-balanced split of predict/pipeline.py).
+Ψ is what one rank holds after tensor, pipeline and expert sharding (the pipeline rank holding the most, for the
+layers each holds under the cost-balanced split of predict/pipeline.py: the first, the last or one between).
 
 Activations per layer and microbatch (Korthikanti et al. 2022, arXiv 2205.05198, fp16):
 s·b·h·(34 + 5·a·s/h) without parallelism; tensor parallel t divides all but 10·s·b·h, sequence
@@ -100,25 +100,45 @@ def stashed_versions(pp, microbatches, stage=0):
 
 def stage_parameters(breakdown: ParameterBreakdown, layout: Layout, stages: StageLayers, rank: str = "heaviest"):
     """(non-expert, expert) parameters one rank of a pipeline stage holds: the "first", the "last" or the "heaviest"
-    of the two, for the layers each holds under the balanced split (`stages`).
+    rank (of the first, the last and every one between), for the layers each holds under the balanced split
+    (`stages`).
 
     Matmul weights split over TP; routed experts over EP·TP; norms (Q/K head norms too) and the router replicate.
-    The first stage holds the embedding, the last the output layer (a second copy when tied and pp > 1).
+    The first stage holds the embedding, the last the output layer (a second copy when tied and pp > 1). The cost-
+    balanced split weighs forward FLOPs, not parameters: a middle rank can hold the most (one layer more than the
+    first where the embedding is smaller than a layer; MoE layers where the first holds dense ones).
     """
+    dense, experts, _ = rank_parameters(breakdown, layout, stages, rank)
+    return dense, experts
+
+
+def rank_parameters(breakdown: ParameterBreakdown, layout: Layout, stages: StageLayers, rank: str = "heaviest"):
+    """`stage_parameters`, and the decoder layers that rank holds."""
     tp, pp, ep = (np.asarray(x, dtype=float) for x in (layout.tp, layout.pp, layout.ep))
     attention = (breakdown.attention - breakdown.head_norms) / tp + breakdown.head_norms + breakdown.layer_norms
-    dense_layer = attention + breakdown.dense_mlp / tp
-    moe_layer = attention + breakdown.shared_experts / tp + breakdown.router
-    expert_layer = breakdown.routed_experts / (ep * tp)
+    per_layer = (attention + breakdown.dense_mlp / tp,  # dense, MoE without its routed experts, routed experts
+                 attention + breakdown.shared_experts / tp + breakdown.router, breakdown.routed_experts / (ep * tp))
     output = (breakdown.unembedding or breakdown.output_projection) / tp + breakdown.final_norm
-    first = breakdown.embedding / tp + (stages.first - stages.first_moe) * dense_layer + stages.first_moe * moe_layer
-    last = (stages.last - stages.last_moe) * dense_layer + stages.last_moe * moe_layer + output
-    single = first + output - np.where(breakdown.unembedding, 0.0, breakdown.output_projection / tp)
-    experts_first, experts_last = stages.first_moe * expert_layer, stages.last_moe * expert_layer
-    take_first = {"first": True, "last": False, "heaviest": first + experts_first >= last + experts_last}[rank]
-    dense = np.where(pp == 1, single, np.where(take_first, first, last))
-    experts = np.where(pp == 1, experts_first, np.where(take_first, experts_first, experts_last))
-    return dense, experts
+    embedding = breakdown.embedding / tp
+
+    def holding(layers, moe, axis=()):  # (non-expert, expert parameters, layers) of a rank holding these layers
+        dense, moe_layer, expert = (np.expand_dims(x, axis) for x in per_layer)
+        return (layers - moe) * dense + moe * moe_layer, moe * expert, layers
+
+    first, last = holding(stages.first, stages.first_moe), holding(stages.last, stages.last_moe)
+    ranks = [(first[0] + embedding, *first[1:]), (last[0] + output, *last[1:])]
+    if rank == "heaviest":  # the middle ranks along the last axis (pp ≤ 2: one of no layers); the one holding most
+        middle = np.broadcast_arrays(*holding(stages.middle, stages.middle_moe, -1))
+        k = np.argmax(middle[0] + middle[1], axis=-1)[..., None]
+        ranks.append(tuple(np.take_along_axis(x, k, axis=-1)[..., 0] for x in middle))
+    shape = np.broadcast_shapes(*(np.shape(x) for held in ranks for x in held))
+    ranks = [[np.broadcast_to(x, shape) for x in held] for held in ranks]
+    which = {"first": np.zeros(shape, dtype=int), "last": np.ones(shape, dtype=int),
+             "heaviest": np.argmax([dense + experts for dense, experts, _ in ranks], axis=0)}[rank]
+    dense, experts, layers = (np.choose(which, [held[i] for held in ranks]) for i in range(3))
+    single = first[0] + embedding + output - np.where(breakdown.unembedding, 0.0, breakdown.output_projection / tp)
+    return (np.where(pp == 1, single, dense), np.where(pp == 1, first[1], experts),
+            np.where(pp == 1, stages.first, layers))
 
 
 def activation_bytes_per_layer(model: Model, layout: Layout, moe_layer: bool = False, flash_attention: bool = True):
@@ -221,11 +241,13 @@ def eager_chunk_activation_bytes(model: Model, layout: Layout, element_bytes: fl
 def training_memory(model: Model, layout: Layout, hbm_bytes: float, optimizer: str = "adam",
                     dtype: str = "bf16", assumptions: Assumptions = DEFAULT,
                     stages: StageLayers | None = None) -> TrainingMemory:
-    """Bytes per accelerator of the heaviest pipeline stage's rank, by category (`stages`: the layout's split, if
-    already computed)."""
+    """Bytes per accelerator by category (`stages`: the layout's split, if already computed): the model states of the
+    rank holding the most parameters (with PipeDream's stash of as many versions as the first stage keeps), the
+    activations of the first stage's (the most microbatches in flight), the logits of the last's — each at its
+    heaviest, so the total bounds every rank's from above."""
     breakdown = parameters(model)
     stages = stage_layers(model, layout) if stages is None else stages
-    dense, experts = stage_parameters(breakdown, layout, stages)
+    dense, experts, held = rank_parameters(breakdown, layout, stages)
     dp = layout.dp.astype(float) * layout.cp  # ZeRO shards over DP × CP: those ranks hold the same weights
     expert_dp = dp / layout.ep
     w1, g1, o1 = model_state_bytes(dense, dp, layout.zero, optimizer, dtype, layout.offload)
@@ -243,8 +265,7 @@ def training_memory(model: Model, layout: Layout, hbm_bytes: float, optimizer: s
     # Buffers: one layer's full activations live during its recompute + backward, fp32 logits for
     # the loss on the last stage, ZeRO-3's two gathered layers (current + prefetch).
     logits = 4.0 * layout.seq / layout.cp * layout.micro_batch * model.vocab / layout.tp
-    held = np.maximum(np.where(layout.pp == 1, model.layers, np.maximum(stages.first, stages.last)), 1)
-    gathered = np.where(layout.zero >= 3, 2 * DTYPE_BYTES[dtype] * (dense + experts) / held, 0.0)
+    gathered = np.where(layout.zero >= 3, 2 * DTYPE_BYTES[dtype] * (dense + experts) / np.maximum(held, 1), 0.0)
     buffers = np.where(layout.recompute == 2, working_layer, 0.0) + logits + gathered
     capacity = hbm_bytes * assumptions.memory_usable_fraction - assumptions.memory_reserved_bytes
     return TrainingMemory(weights, gradients, optimizer_bytes, activations, buffers, host, capacity)

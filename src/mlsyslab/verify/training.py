@@ -166,22 +166,32 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
                                           ).bubble if schedule is not None else None, result.get("bubble")),
         "step_s": _pair(None, measured_step),
     }
+    heaviest = result.get("heaviest_rank")
+    if heaviest:  # the rank holding the most, against predict's heaviest (what the planner's memory per GPU prices)
+        dense, experts = stage_parameters(parameters(spec), layout, prediction.stages, "heaviest")
+        states = predicted_mesh_states(config, heaviest, heaviest["stage"])
+        report["heaviest_rank"] = {
+            "rank": heaviest["rank"], "stage": heaviest["stage"],
+            "parameters": _pair(float(np.asarray(dense + experts).reshape(-1)[0]), heaviest["parameters"]),
+            "memory_bytes": {category: _pair(states[category], heaviest["held_bytes"].get(category))
+                             for category in states}}
     if hardware is not None:
         timed = predict_training(spec, carrier, layout, assumptions=assumptions)
         report["step_s"] = _pair(float(timed.step_s.reshape(-1)[0]), measured_step)
     return report
 
 
-def predicted_mesh_states(config, result: dict) -> dict:
-    """Rank 0's model states on a mesh (predict.memory's, for the layout's first stage): ZeRO shards the dense weights
-    over the DP × CP ranks and the experts over the dp·cp/ep ranks holding the same ones, each group padded as the run
-    reports (predict's parameter count without padding is the report's "parameters" row); PipeDream also keeps a copy of
-    the stage's weights for each version still owed a backward (predict.memory.stashed_versions)."""
+def predicted_mesh_states(config, result: dict, stage: int = 0) -> dict:
+    """The model states on a mesh (predict.memory's) of a rank of pipeline stage `stage` holding `result`'s parameters:
+    ZeRO shards the dense weights over the DP × CP ranks and the experts over the dp·cp/ep ranks holding the same ones,
+    each group padded as the run reports (predict's parameter count without padding is the report's "parameters" row);
+    PipeDream also keeps a copy of the stage's weights for each version still owed a backward
+    (predict.memory.stashed_versions)."""
     dense_and_experts, experts = result["padded_parameters"], result["padded_expert_parameters"]
     ranks = config.data_parallel * config.cp
     states = predicted_model_states(config, [(dense_and_experts - experts, ranks), (experts, ranks // config.ep)])
     if config.schedule == "pipedream" and config.pp > 1:
-        states["weights"] += float(stashed_versions(config.pp, config.microbatches)) * run_dtype(config)[1] \
+        states["weights"] += float(stashed_versions(config.pp, config.microbatches, stage)) * run_dtype(config)[1] \
             * dense_and_experts
     return states
 
