@@ -80,28 +80,23 @@ class PackedLinear(nn.Module):
     """y = x Wᵀ through the kernel `kernel_plan` picks for the step's row count. No bias, no gradients."""
 
     def __init__(self, weight: torch.Tensor, batch_hint: int = BATCH_HINT, rows: tuple = (1, math.inf),
-                 owned: bool = False, dtype: torch.dtype | None = None):
+                 owned: bool = False, dtype: torch.dtype | None = None, arena: TileArena | None = None):
         """weight [out, in]; copied unless `owned` (the layer is a snapshot: training the original changes nothing
         here), in `dtype` if given. rows: [first, last), the products it will compute — kernels only for row counts
         outside are not prepared (the engine's bf16 copy, whose wide steps run on an fp32 copy, kept a plain bf16
-        weight it never used: 270 MB of SmolLM2's)."""
+        weight it never used: 270 MB of SmolLM2's). arena: where the streamed tiles go once packed."""
         super().__init__()
         weight = weight.detach()
         if dtype is not None and dtype != weight.dtype:
             weight, owned = weight.to(dtype), True
         self.out_features, self.in_features = weight.shape
-        first, last = rows
-        plan, low = [], 0
-        for below, kernel in kernel_plan(weight.dtype):
-            if below > first and low < last:
-                plan.append((below, kernel))
-            low = below
-        self.plan = tuple(plan)
+        self.plan = rows_plan(weight.dtype, rows)
         kernels = {kernel for _, kernel in self.plan}
         self.register_buffer("plain_weight", (weight if owned else weight.clone()) if Kernel.PLAIN in kernels else None)
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
                              if Kernel.PACKED in kernels else None)
-        self.register_buffer("stream_tiles", cpu_kernels.load().stream_pack(weight) if Kernel.STREAMED in kernels else None)
+        tiles = cpu_kernels.load().stream_pack(weight) if Kernel.STREAMED in kernels else None
+        self.register_buffer("stream_tiles", arena.place(tiles) if arena is not None and tiles is not None else tiles)
 
     def kernel(self, rows: int) -> Kernel:
         return next(kernel for below, kernel in self.plan if rows < below)
@@ -131,6 +126,17 @@ class PackedLinear(nn.Module):
         else:
             out = torch.ops.mkldnn._linear_pointwise.binary(rows, base, self.packed_weight, None, "add")
         return out.reshape(residual.shape)
+
+
+def rows_plan(dtype: torch.dtype, rows: tuple) -> tuple[tuple[float, Kernel], ...]:
+    """`kernel_plan`'s entries that serve some row count in [first, last)."""
+    first, last = rows
+    plan, low = [], 0
+    for below, kernel in kernel_plan(dtype):
+        if below > first and low < last:
+            plan.append((below, kernel))
+        low = below
+    return tuple(plan)
 
 
 def kernel_plan(dtype: torch.dtype) -> tuple[tuple[float, Kernel], ...]:
@@ -208,40 +214,65 @@ def packed_for_inference(model: Llama, rows: tuple = (1, math.inf), dtype: torch
     packed = copy.copy(model)  # shallow: embeddings and norms are shared, not copied
     packed._modules = dict(model._modules)
     kernels = cpu_kernels.serves(model.lm_head.weight.new_empty(0, dtype=dtype))
-    packed.layers = nn.ModuleList(packed_layer(layer, kernels, rows, dtype) for layer in model.layers)
-    packed.lm_head = PackedLinear(model.lm_head.weight, rows=rows, dtype=dtype)
+    weights_dtype = dtype or model.lm_head.weight.dtype
+    streamed = Kernel.STREAMED in {kernel for _, kernel in rows_plan(weights_dtype, rows)}
+    arena = TileArena([shape for layer in model.layers for shape in step_shapes(layer)]
+                      + [tuple(model.lm_head.weight.shape)], weights_dtype) if streamed else None
+    packed.layers = nn.ModuleList(packed_layer(layer, kernels, rows, dtype, arena) for layer in model.layers)
+    packed.lm_head = PackedLinear(model.lm_head.weight, rows=rows, dtype=dtype, arena=arena)
     packed.embed_tokens, packed.norm = converted(model.embed_tokens, dtype), converted(model.norm, dtype)
     if kernels:
         packed.norm = cpu_kernels.KernelRMSNorm(packed.norm)
-    onto_huge_pages([linear for layer in packed.layers for linear in (
-        layer.self_attn.fused_qkv, layer.self_attn.o_proj, layer.mlp.fused_gate_up, layer.mlp.down_proj)] + [packed.lm_head])
     return packed.eval()
 
 
-def onto_huge_pages(linears: list[PackedLinear]) -> None:
-    """Move the linears' streamed tiles into one buffer on transparent huge pages (csrc/huge_pages.cpp: a
-    decode step streams them all, and in 4 kB pages each page is a TLB miss and a stop for the prefetchers),
-    in the order a step reads them, each at a 64-byte boundary. Values unchanged."""
-    tiles = [linear for linear in linears if linear.stream_tiles is not None]
-    if not tiles:
-        return
-    sizes = [-(-linear.stream_tiles.nbytes // 64) * 64 for linear in tiles]
-    buffer = cpu_kernels.huge_page_zeros((sum(sizes),), torch.uint8)
-    offset = 0
-    for linear, size in zip(tiles, sizes):
-        old = linear.stream_tiles
-        linear.stream_tiles = buffer[offset:offset + old.nbytes].view(old.dtype).view(old.shape).copy_(old)
-        offset += size
+class TileArena:
+    """One buffer on transparent huge pages (csrc/huge_pages.cpp) for the streamed tiles of a copy's matrices, in the
+    order a step reads them, each at a 64-byte boundary: a decode step streams them all, and in 4 kB pages each page
+    is a TLB miss and a stop for the prefetchers. Sized from the matrices' shapes before any is packed, so that each
+    one's tiles move in as soon as they are packed (packed all first, then moved, they were held twice while building:
+    ~270 MB of SmolLM2's bf16 copy)."""
+
+    def __init__(self, shapes: list[tuple[int, int]], dtype: torch.dtype):
+        group, chunk = cpu_kernels.load().stream_pack(torch.zeros(1, 1, dtype=dtype)).shape[2:]  # a tile's rows, inputs
+        self.sizes = [_aligned(-(-out // group) * -(-inputs // chunk) * group * chunk * dtype.itemsize)
+                      for out, inputs in shapes]
+        self.buffer = cpu_kernels.huge_page_zeros((sum(self.sizes),), torch.uint8)
+        self.placed = self.offset = 0
+
+    def place(self, tiles: torch.Tensor) -> torch.Tensor:
+        """`tiles` copied into the next matrix's place (the order of `shapes`)."""
+        if self.placed == len(self.sizes) or _aligned(tiles.nbytes) != self.sizes[self.placed]:
+            raise ValueError(f"tiles of {tiles.nbytes} bytes are not the next matrix's of the arena's shapes")
+        start, self.offset, self.placed = self.offset, self.offset + self.sizes[self.placed], self.placed + 1
+        return self.buffer[start:start + tiles.nbytes].view(tiles.dtype).view(tiles.shape).copy_(tiles)
 
 
-def packed_layer(layer: nn.Module, kernels: bool, rows: tuple, dtype: torch.dtype | None = None) -> nn.Module:
+def _aligned(size: int) -> int:
+    return -(-size // 64) * 64
+
+
+def step_shapes(layer: nn.Module) -> list[tuple[int, int]]:
+    """[out, in] of a decoder layer's matrices as its serving copy fuses them, in step order: q|k|v, o, gate|up,
+    down."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return [(sum(attention._modules[name].out_features for name in ("q_proj", "k_proj", "v_proj")),
+             attention.q_proj.in_features), tuple(attention.o_proj.weight.shape),
+            (mlp.gate_proj.out_features + mlp.up_proj.out_features, mlp.gate_proj.in_features),
+            tuple(mlp.down_proj.weight.shape)]
+
+
+def packed_layer(layer: nn.Module, kernels: bool, rows: tuple, dtype: torch.dtype | None = None,
+                 arena: TileArena | None = None) -> nn.Module:
     attention, mlp = shallow_copy(layer.self_attn), shallow_copy(layer.mlp)
     names = ("q_proj", "k_proj", "v_proj")
-    attention.fused_qkv = FusedPackedLinear([attention._modules.pop(name) for name in names], rows=rows, dtype=dtype)
-    attention.o_proj = PackedLinear(attention.o_proj.weight, rows=rows, dtype=dtype)
+    attention.fused_qkv = FusedPackedLinear([attention._modules.pop(name) for name in names], rows=rows, dtype=dtype,
+                                            arena=arena)
+    attention.o_proj = PackedLinear(attention.o_proj.weight, rows=rows, dtype=dtype, arena=arena)
     names = ("gate_proj", "up_proj")
-    mlp.fused_gate_up = FusedPackedLinear([mlp._modules.pop(name) for name in names], rows=rows, dtype=dtype)
-    mlp.down_proj = PackedLinear(mlp.down_proj.weight, rows=rows, dtype=dtype)
+    mlp.fused_gate_up = FusedPackedLinear([mlp._modules.pop(name) for name in names], rows=rows, dtype=dtype,
+                                          arena=arena)
+    mlp.down_proj = PackedLinear(mlp.down_proj.weight, rows=rows, dtype=dtype, arena=arena)
     if attention.q_norm is not None:
         attention.q_norm, attention.k_norm = converted(attention.q_norm, dtype), converted(attention.k_norm, dtype)
     new = shallow_copy(layer)
@@ -275,9 +306,9 @@ class FusedPackedLinear(PackedLinear):
     decode steps repeat in the same dtype (nn/csrc/decode_layers.cpp, streamed_decode.cpp)."""
 
     def __init__(self, linears: list[nn.Linear], batch_hint: int = BATCH_HINT, rows: tuple = (1, math.inf),
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, arena: TileArena | None = None):
         super().__init__(torch.cat([linear.weight.detach() for linear in linears]), batch_hint, rows, owned=True,
-                         dtype=dtype)
+                         dtype=dtype, arena=arena)
         self.sizes = [linear.out_features for linear in linears]
         biased = [linear.bias is not None for linear in linears]
         if any(biased) and not all(biased):
