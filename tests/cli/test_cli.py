@@ -117,7 +117,7 @@ def test_roofline_json(capsys, monkeypatch):
 
 @pytest.mark.parametrize("args, field", [
     (["predict", "train", "--model", "llama-3-70b", "--hardware", "h100", "--gpus", "6", "--tp", "6"], "tp"),
-    (["predict", "train", "--model", "llama-3-70b", "--hardware", "h100", "--gpus", "24", "--pp", "3"], "pp"),
+    (["predict", "train", "--model", "llama-3-70b", "--hardware", "h100", "--gpus", "96", "--pp", "96"], "pp"),
     (["predict", "train", "--model", "llama-3-8b", "--hardware", "h100", "--gpus", "8", "--ep", "2"], "ep"),
     (["predict", "train", "--model", "llama-3-8b", "--hardware", "h100", "--gpus", "6", "--tp", "4"], "--gpus"),
     (["predict", "train", "--model", "llama-3-8b", "--hardware", "h100", "--zero", "4"], "--zero"),
@@ -148,11 +148,22 @@ def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch, args, field):
 
 
 def test_a_layout_breaking_several_rules_is_refused_naming_each(capsys, monkeypatch):
-    """TP not dividing the heads and PP not dividing the layers, in one line (the first alone was named)."""
+    """TP not dividing the heads and PP over the layers, in one line (the first alone was named)."""
     code, _, err = run(capsys, monkeypatch, "predict", "train", "--model", "smollm2-135m", "--hardware", "h100",
-                       "--gpus", "16", "--tp", "4", "--pp", "4")
+                       "--gpus", "128", "--tp", "4", "--pp", "32")
     assert code == 2 and len(err.strip().splitlines()) == 1
-    assert "tp=4 is invalid" in err and "9 attention heads" in err and "pp=4 is invalid" in err and "30 layers" in err
+    assert "tp=4 is invalid" in err and "9 attention heads" in err and "pp=32 is invalid" in err and "30 layers" in err
+
+
+def test_a_pipeline_need_not_divide_the_layers(capsys, monkeypatch):
+    """DeepSeek-V3 trained its 61 layers on PP 16: the cost-balanced split gives the stages unequal layers (predict
+    refused any PP but 1 and 61 for it)."""
+    code, out, _ = run(capsys, monkeypatch, "predict", "train", "--model", "deepseek-v3", "--hardware", "h100",
+                       "--gpus", "2048", "--pp", "16", "--ep", "64", "--global-batch", "15360", "--seq", "4096",
+                       "--micro-batch", "1", "--zero", "1", "--json")
+    assert code == 0
+    stages = json.loads(out)["stage_layers"]
+    assert stages["first"] + stages["last"] < 61 and stages["first"] != 61 / 16
 
 
 def test_explain_lists_every_assumption(capsys, monkeypatch):

@@ -75,7 +75,7 @@ def test_explain_json(capsys, monkeypatch):
     (("predict", "wafer", "--model", "llama-3-70b", "--phase", "decode", "--recompute"), "--recompute"),
     (("predict", "wafer", "--model", "llama-3-70b", "--phase", "training", "--vs-hardware", "none", "--vs-gpus", "5"),
      "--vs-gpus"),
-    (("predict", "wafer", "--model", "llama-3-70b", "--phase", "training", "--vs-gpus", "3"), "--vs-gpus"),  # blamed
+    (("predict", "wafer", "--model", "llama-3-70b", "--phase", "training", "--vs-gpus", "83"), "--vs-gpus"),  # blamed
     # global_batch, which the user did not set
     (("schedule", "gpipe", "--forward", "1e308", "--backward", "1e308"), "--forward"),  # their sum: a nan bubble
     (("explain", "--model", "llama-3-8b", "--hardware", "h100", "--pp", "2"), "--pp"),

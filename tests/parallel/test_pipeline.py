@@ -159,6 +159,7 @@ def _run(rank, name, microbatches, chunks):
 @pytest.mark.parametrize("world, name, microbatches, chunks", [
     (2, "gpipe", 4, 1), (2, "1f1b", 4, 1), (2, "interleaved", 4, 2),
     (4, "gpipe", 4, 1), (4, "1f1b", 8, 1), (4, "interleaved", 4, 2),
+    (3, "1f1b", 6, 1), (3, "interleaved", 6, 2),  # 8 layers over 3 and 6 stages: unequal ones
 ])
 def test_executed_pipeline_equals_the_unpipelined_model(world, name, microbatches, chunks):
     results = spawn(_run, world, name, microbatches, chunks)

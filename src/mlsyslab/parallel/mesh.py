@@ -76,12 +76,14 @@ class MeshLayout:
                                            ("tp", self.tp, model_config.kv_heads, "KV heads"),
                                            ("tp", self.tp, model_config.vocab, "vocabulary rows"),
                                            ("tp", self.tp, model_config.ffn_hidden, "MLP hidden units"),
-                                           ("tp", self.tp, model_config.expert_hidden, "expert hidden units"),
-                                           ("pp", self.pp, model_config.layers, "layers"),
-                                           ("cp", 2 * self.cp if self.cp > 1 else 1, seq, "tokens of a sequence")):
+                                           ("tp", self.tp, model_config.expert_hidden, "expert hidden units")):
             if divides % value:
-                rule = "2·cp (zig-zag: 2·cp chunks) dividing" if name == "cp" else "a divisor of"
-                broken.append(InvalidValue(name, getattr(self, name), f"{rule} the {divides} {what}"))
+                broken.append(InvalidValue(name, value, f"a divisor of the {divides} {what}"))
+        if self.pp > model_config.layers:  # uneven stages are fine: parallel.pipeline.split balances their cost
+            broken.append(InvalidValue("pp", self.pp, f"at most the {model_config.layers} layers (a layer per stage)"))
+        if self.cp > 1 and seq % (2 * self.cp):
+            broken.append(InvalidValue("cp", self.cp, f"2·cp (zig-zag: 2·cp chunks) dividing the {seq} tokens of a "
+                                       "sequence"))
         if self.ep > 1 and not model_config.experts:
             broken.append(InvalidValue("ep", self.ep, "1 for a dense model (no expert layers to split)"))
         else:

@@ -1,7 +1,8 @@
 """The layout planner: every valid layout for a model, cluster and global batch, ranked.
 
 Enumerates TP (powers of two that divide the heads and stay inside the scale-up domain), PP
-(dividing the layers), CP, EP (dividing the experts and DP), DP = gpus / (TP·PP·CP), ZeRO 0-3,
+(dividing the GPUs, up to the layers: the split is cost-balanced, so uneven stages are no obstacle), CP, EP
+(dividing the experts and DP), DP = gpus / (TP·PP·CP), ZeRO 0-3,
 micro batch, recompute, schedule (GPipe, 1F1B, interleaved with v = 2, 4) and optimizer offload as
 one cartesian grid of numpy arrays, and evaluates the whole grid in one `predict_training` call —
 no Python loop per configuration. Layouts that break a rule or do not fit are counted by reason
@@ -52,7 +53,7 @@ def layout_grid(model: Model, hardware: Hardware, gpus: int, global_batch: int, 
     """Every candidate layout as one Layout of flat arrays."""
     _check_positive(gpus=gpus, global_batch=global_batch, seq=seq)
     tps = [t for t in _powers_of_two(min(gpus, hardware.scale_up_domain)) if model.heads % t == 0]
-    pps = [p for p in _divisors(gpus) if model.layers % p == 0]
+    pps = [p for p in _divisors(gpus) if p <= model.layers]
     cps = [c for c in _powers_of_two(min(gpus, 16)) if c == 1 or seq % (2 * c) == 0]  # zig-zag: 2·cp chunks
     eps = [1] if model.moe is None else [e for e in _divisors(gpus) if model.moe.experts % e == 0]
     # (schedule, interleave) pairs; interleaving only with more than one stage (filtered below).

@@ -264,7 +264,7 @@ def predict_training(model: Model, hardware: Hardware, layout: Layout, optimizer
 REASONS = (
     "",
     "TP does not divide the attention heads",
-    "PP x interleave does not divide the layers",
+    "PP x interleave exceeds the layers",
     "EP > 1 needs a mixture-of-experts model",
     "EP does not divide the experts and DP",
     "global batch is not a multiple of DP x micro batch",
@@ -284,7 +284,7 @@ def validate_layout(model: Model, layout: Layout) -> None:
     experts = model.moe.experts if model.moe else 1
     named = {
         1: ("tp", f"a divisor of the {model.heads} attention heads of {model.name}"),
-        2: ("pp", f"PP x interleave dividing the {model.layers} layers of {model.name}"),
+        2: ("pp", f"PP x interleave at most the {model.layers} layers of {model.name} (a layer per virtual stage)"),
         3: ("ep", f"1, since {model.name} has no experts"),
         4: ("ep", f"a divisor of both the {experts} experts and DP={row['dp']}"),
         5: ("global_batch", f"a multiple of DP x micro batch = {row['dp'] * row['micro_batch']}"),
@@ -305,7 +305,8 @@ def _broken_rules(model: Model, layout: Layout, memory: TrainingMemory | None) -
     experts = 1 if model.moe is None else model.moe.experts
     return [
         model.heads % layout.tp != 0,
-        model.layers % (layout.pp * np.where(layout.schedule == 2, layout.interleave, 1)) != 0,
+        layout.pp * np.where(layout.schedule == 2, layout.interleave, 1) > model.layers,  # uneven is fine: the
+        # split is cost-balanced anyway (DeepSeek-V3 trained its 61 layers on PP 16)
         (model.moe is None) & (layout.ep > 1),
         (experts % layout.ep != 0) | (layout.dp % layout.ep != 0),
         (np.abs(m - np.round(m)) > 1e-9) | (m < 1),

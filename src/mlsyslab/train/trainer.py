@@ -191,9 +191,9 @@ class TrainConfig:
         if self.on_mesh:
             self.layout.validate(model, self.nproc, self.seq, self.microbatches)
             if self.pp > 1:
-                if model.layers % (self.pp * self.interleave):
+                if self.pp * self.interleave > model.layers:  # uneven stages are fine: the split balances cost
                     raise InvalidValue("interleave", self.interleave,
-                                       f"pp·interleave dividing the {model.layers} layers (pp={self.pp})")
+                                       f"pp·interleave at most the {model.layers} layers (pp={self.pp})")
                 build_schedule(self.schedule, self.pp, self.microbatches, self.interleave)
         if self.checkpoint_dir:  # last: the only check that leaves something behind (the folder)
             try:
