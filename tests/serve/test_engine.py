@@ -161,6 +161,14 @@ def test_bf16_weights_run_wide_steps_on_their_exact_fp32_copy():
     expected = greedy_reference(copy.deepcopy(model).float(), prompt, 8)
     assert always.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0].output_ids == expected
     assert Engine(tiny_model(dtype=torch.float32), config=config).wide_model is None  # fp32 needs no copy
+    if default.wide_model is not None:  # its steps never stream: it widens the bf16 table's rows, holding no fp32 one
+        from mlsyslab.nn.packed_linear import WidenedEmbedding
+
+        table = default.wide_model.embed_tokens
+        assert isinstance(table, WidenedEmbedding) and table.embedding.weight is model.embed_tokens.weight
+        long_prompt = list(range(3, 23))  # 20 tokens: one wide step, whose last row gives the first token
+        first = LLM(model, config=config).generate([long_prompt], SamplingParams(max_tokens=1, temperature=0))
+        assert first[0].output_ids == greedy_reference(copy.deepcopy(model).float(), long_prompt, 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -64,7 +64,7 @@ class FusedDecode:
                          for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm) if norm is not None]
         # the rope tables of every position, once (as `rope_cos_sin` computes them each step: elementwise,
         # so a row here is bit-equal to that step's), [max_seq, head_dim] in the model's dtype
-        dtype = model.embed_tokens.weight.dtype
+        dtype = model.norm.weight.dtype
         self.cos, self.sin = (table[:, 0] for table in rope_cos_sin(
             rope_inverse_frequencies(model.config), torch.arange(model.config.max_seq), dtype))
         self.plans: dict[int, StepPlan] = {}
@@ -72,7 +72,7 @@ class FusedDecode:
     @staticmethod
     def applies_to(model: Llama) -> bool:
         """Whether `model` is a serving copy whose every layer the C++ step can run."""
-        weight = model.embed_tokens.weight
+        weight = model.norm.weight  # the copy's dtype (its embedding may be the 16-bit one, widened)
         return (isinstance(model.lm_head, PackedLinear) and isinstance(model.norm, cpu_kernels.KernelRMSNorm)
                 and all(isinstance(layer.input_layernorm, cpu_kernels.KernelRMSNorm)
                         and isinstance(layer.self_attn.fused_qkv, PackedLinear) for layer in model.layers)

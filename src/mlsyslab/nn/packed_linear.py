@@ -220,7 +220,10 @@ def packed_for_inference(model: Llama, rows: tuple = (1, math.inf), dtype: torch
                       + [tuple(model.lm_head.weight.shape)], weights_dtype) if streamed else None
     packed.layers = nn.ModuleList(packed_layer(layer, kernels, rows, dtype, arena) for layer in model.layers)
     packed.lm_head = PackedLinear(model.lm_head.weight, rows=rows, dtype=dtype, arena=arena)
-    packed.embed_tokens, packed.norm = converted(model.embed_tokens, dtype), converted(model.norm, dtype)
+    # the streamed decode step reads the table itself, in the copy's dtype; elsewhere a 16-bit one can be widened
+    packed.embed_tokens = converted(model.embed_tokens, dtype) if streamed else WidenedEmbedding.of(model.embed_tokens,
+                                                                                                    dtype)
+    packed.norm = converted(model.norm, dtype)
     if kernels:
         packed.norm = cpu_kernels.KernelRMSNorm(packed.norm)
     return packed.eval()
@@ -291,6 +294,25 @@ def packed_layer(layer: nn.Module, kernels: bool, rows: tuple, dtype: torch.dtyp
 def converted(module: nn.Module, dtype: torch.dtype | None) -> nn.Module:
     """`module` itself, or a copy of it in `dtype`."""
     return module if dtype is None else copy.deepcopy(module).to(dtype)
+
+
+class WidenedEmbedding(nn.Module):
+    """A 16-bit embedding's rows looked up, then widened to fp32 (exact): the engine's fp32 copy for wide steps
+    shares the 16-bit table instead of holding its own fp32 one (113 MB of SmolLM2's; the tied head is packed
+    apart anyway). It has no `weight`: a copy whose streamed decode step reads the table keeps its own."""
+
+    def __init__(self, embedding: nn.Embedding, dtype: torch.dtype):
+        super().__init__()
+        self.embedding, self.dtype = embedding, dtype
+
+    @staticmethod
+    def of(embedding: nn.Embedding, dtype: torch.dtype | None) -> nn.Module:
+        """`embedding` itself, widened where `dtype` holds its values exactly, else a copy in `dtype`."""
+        exact = dtype == torch.float32 and embedding.weight.dtype in (torch.bfloat16, torch.float16)
+        return WidenedEmbedding(embedding, dtype) if exact else converted(embedding, dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(input_ids).to(self.dtype)
 
 
 def shallow_copy(module: nn.Module) -> nn.Module:
