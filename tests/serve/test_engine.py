@@ -242,6 +242,7 @@ def test_a_llama3_style_folder_chats_as_transformers_generates(tmp_path):
     and greedy reply equal transformers' apply_chat_template and generate on the same folder."""
     import json
     import shutil
+    from pathlib import Path
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -267,6 +268,8 @@ def test_a_llama3_style_folder_chats_as_transformers_generates(tmp_path):
 
     llm = LLM(str(tmp_path))
     assert llm.engine.source_model.config.rope_scaling == config.rope_scaling and llm.tokenizer.eos_token_ids == {0, 2}
+    # the weights were read from the file's mapping; the engine keeps none of it (its pages were all resident)
+    assert str(tmp_path / "model.safetensors") not in Path("/proc/self/maps").read_text()
     (ours,) = llm.chat([QUESTION], SamplingParams(max_tokens=16, temperature=0))
     theirs = AutoTokenizer.from_pretrained(str(tmp_path))
     prompt = theirs.apply_chat_template(QUESTION, add_generation_prompt=True, return_tensors="pt", return_dict=True)
