@@ -5,6 +5,7 @@ gradients."""
 import copy
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from torch.func import functional_call
@@ -14,6 +15,7 @@ from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.parallel.pipeline import PipelineRank, StageChunk, forward_flops_per_token, split
 from mlsyslab.parallel.schedules import build, chrome_trace, render_png, timeline, weight_versions
+from mlsyslab.predict.assumptions import DEFAULT
 from mlsyslab.predict.pipeline import pipeline_bubble_fraction
 from mlsyslab.predict.layout import Layout
 from mlsyslab.predict.memory import microbatches_in_flight, stashed_versions
@@ -106,14 +108,33 @@ def test_a_split_of_unequal_stages_simulates_a_larger_bubble():
     assert timeline(build("gpipe", 2, 2), stage_costs=[2, 2]).bubble == pytest.approx(1 / 3)
 
 
-@pytest.mark.parametrize("name, p, v", [("gpipe", 3, 1), ("1f1b", 4, 1), ("interleaved", 2, 3), ("interleaved", 4, 2)])
-def test_predict_holds_the_first_stages_microbatches_in_flight_as_the_schedule_does(name, p, v):
-    """predict.memory's closed form, in whole-rank units, against the schedule simulated — also where m·v chunk
-    forwards are fewer than interleaving's warm-up (m = p: it had p·(1 + (p−1)/(p·v)) > m)."""
+@pytest.mark.parametrize("name, p, v", [("gpipe", 3, 1), ("1f1b", 4, 1), ("interleaved", 2, 3), ("interleaved", 4, 2),
+                                     ("pipedream", 3, 1), ("interleaved", 5, 2)])
+def test_predict_holds_each_stages_microbatches_in_flight_as_the_schedule_does(name, p, v):
+    """predict.memory's closed form, in whole-rank units, against the schedule simulated, on every rank — also where
+    m·v chunk forwards are fewer than interleaving's warm-up (m = p: it had p·(1 + (p−1)/(p·v)) > m)."""
     for m in (p, 2 * p, 3 * p):
         layout = Layout.of(pp=p, schedule=name, interleave=v, global_batch=m, micro_batch=1, seq=64)
-        simulated = timeline(build(name, p, m, v)).peak_in_flight[0] / v
-        assert float(microbatches_in_flight(layout)) == pytest.approx(simulated), m
+        simulated = [held / v for held in timeline(build(name, p, m, v)).peak_in_flight]
+        assert [float(microbatches_in_flight(layout, rank)) for rank in range(p)] == pytest.approx(simulated), m
+
+
+def test_predict_prices_the_rank_holding_the_most_activations():
+    """Uneven stages: with one layer on the first rank and two on the next (the split, balancing FLOPs, gives the
+    first fewer here), rank 1's 2 × (p − 1) microbatch-layers under 1F1B outweigh rank 0's 1 × p; predict's memory per
+    GPU takes the most of any rank, as each rank's layers (the split's) times its microbatches in flight (the
+    schedule's) give it (it took the first rank's: half)."""
+    from mlsyslab.predict.memory import _activations, training_memory
+    from mlsyslab.predict.pipeline import virtual_stage_layers
+
+    spec, p, m = CONFIG.to_spec("probe", 1, "test"), 5, 10  # 8 layers over 5 ranks: 1, 2, 2, 2, 1
+    layout = Layout.of(pp=p, schedule="1f1b", global_batch=m, micro_batch=1, seq=64)
+    layers = [held for held, _ in virtual_stage_layers(spec, p)]
+    per_layer = float(np.asarray(_activations(spec, layout, DEFAULT)[0]).reshape(-1)[0])
+    held = [count * per_layer * peak for count, peak in zip(layers, timeline(build("1f1b", p, m)).peak_in_flight)]
+    assert max(held) > held[0]
+    predicted = float(np.asarray(training_memory(spec, layout, 80e9).activations).reshape(-1)[0])
+    assert predicted == pytest.approx(max(held))
 
 
 def test_pipedream_weight_stashing_versions():

@@ -18,7 +18,8 @@ MoE (top-k routed copies of each token). With `eager_activations` (the trainer's
 this machine) what nn/'s layers save under eager PyTorch instead, tensor by tensor (`eager_activation_bytes_per_layer`),
 at the training dtype. Pipeline stages hold the microbatches in flight:
 GPipe m, 1F1B and PipeDream min(m, p), interleaved min(m, p + (p−1)/v) on the first stage (its chunks taken as equal),
-counted for the layers the first stage holds.
+counted for the layers the first stage holds; on rank r min(m, p − r) and min(m, p + (p − 2r − 1)/v), and the memory per
+accelerator takes the rank holding the most (`heaviest_activation_bytes`).
 PipeDream's weight stashing (Narayanan et al., SOSP'19 §3.3; parallel/weight_stash.py) also keeps a copy of
 the stage's weights per version still owed a backward. Stage r's forwards of microbatches 0..p−r−1 all run on
 version 0 (no backward has come yet), each later forward on a new one, and version 0 is freed at microbatch
@@ -243,8 +244,8 @@ def training_memory(model: Model, layout: Layout, hbm_bytes: float, optimizer: s
                     stages: StageLayers | None = None) -> TrainingMemory:
     """Bytes per accelerator by category (`stages`: the layout's split, if already computed): the model states of the
     rank holding the most parameters (with PipeDream's stash of as many versions as the first stage keeps), the
-    activations of the first stage's (the most microbatches in flight), the logits of the last's — each at its
-    heaviest, so the total bounds every rank's from above."""
+    activations of the rank holding the most of them, the logits of the last's — each at its heaviest, so the total
+    bounds every rank's from above."""
     breakdown = parameters(model)
     stages = stage_layers(model, layout) if stages is None else stages
     dense, experts, held = rank_parameters(breakdown, layout, stages)
@@ -260,8 +261,8 @@ def training_memory(model: Model, layout: Layout, hbm_bytes: float, optimizer: s
     host = np.where(layout.offload, offloaded, 0.0)
 
     dense_stored, moe_stored, working_layer = _activations(model, layout, assumptions)
-    activations = first_stage_activation_bytes(model, layout, stages, DTYPE_BYTES[dtype], assumptions,
-                                               (dense_stored, moe_stored))
+    activations = heaviest_activation_bytes(model, layout, stages, DTYPE_BYTES[dtype], assumptions,
+                                            (dense_stored, moe_stored))
     # Buffers: one layer's full activations live during its recompute + backward, fp32 logits for
     # the loss on the last stage, ZeRO-3's two gathered layers (current + prefetch).
     logits = 4.0 * layout.seq / layout.cp * layout.micro_batch * model.vocab / layout.tp
@@ -278,15 +279,39 @@ def first_stage_activation_bytes(model: Model, layout: Layout, stages: StageLaye
     dense and MoE bytes per layer in `korthikanti` when already computed), or with `assumptions.eager_activations`
     what nn/ saves at `element_bytes` an activation, with the embedding's tensors and, without PP, the head's and
     the loss's."""
+    return rank_activation_bytes(model, layout, stages.first, stages.first_moe, 0, element_bytes, assumptions,
+                                 korthikanti)
+
+
+def heaviest_activation_bytes(model: Model, layout: Layout, stages: StageLayers, element_bytes: float,
+                              assumptions: Assumptions = DEFAULT, korthikanti: tuple | None = None):
+    """The most any pipeline rank holds for backward at its peak (`rank_activation_bytes`): the first holds the most
+    microbatches, but where stages are uneven a later one can hold more layers of them (Llama-3.1-405B on PP 64: one
+    layer on the first, two on the next, 2 × 63 against 1 × 64 microbatch-layers)."""
+    most = first_stage_activation_bytes(model, layout, stages, element_bytes, assumptions, korthikanti)
+    last = layout.pp.astype(float) - 1
+    ranks = [(stages.last, stages.last_moe, last)] + [
+        (stages.middle[..., k], stages.middle_moe[..., k], stages.middle_rank[..., k])
+        for k in range(stages.middle.shape[-1])]
+    for layers, moe_layers, rank in ranks:
+        held = rank_activation_bytes(model, layout, layers, moe_layers, rank, element_bytes, assumptions, korthikanti)
+        most = np.where(layout.pp > 1, np.maximum(most, held), most)
+    return most
+
+
+def rank_activation_bytes(model: Model, layout: Layout, layers, moe_layers, rank, element_bytes: float,
+                          assumptions: Assumptions = DEFAULT, korthikanti: tuple | None = None):
+    """What pipeline rank `rank`, holding `layers` decoder layers (`moe_layers` of them MoE), holds for backward at its
+    peak (as `first_stage_activation_bytes`; the embedding's tensors on rank 0, the head's without PP)."""
     if assumptions.eager_activations:  # the rank's chunks, taken as equal, and the rotary tables of each
         chunks = np.where(layout.schedule == 2, layout.interleave, 1)
-        held = eager_chunk_activation_bytes(model, layout, element_bytes, stages.first, stages.first_moe, True,
+        held = eager_chunk_activation_bytes(model, layout, element_bytes, layers, moe_layers, np.asarray(rank) == 0,
                                             layout.pp == 1) \
             + (chunks - 1) * eager_chunk_activation_bytes(model, layout, element_bytes, 0, 0, False, False)
     else:
         dense, moe = korthikanti if korthikanti is not None else _activations(model, layout, assumptions)[:2]
-        held = (stages.first - stages.first_moe) * dense + stages.first_moe * moe
-    return held * microbatches_in_flight(layout)
+        held = (layers - moe_layers) * dense + moe_layers * moe
+    return held * microbatches_in_flight(layout, rank)
 
 
 def _activations(model: Model, layout: Layout, assumptions: Assumptions):
@@ -299,13 +324,13 @@ def _activations(model: Model, layout: Layout, assumptions: Assumptions):
     return dense_stored, moe_stored, np.maximum(dense_full, moe_full)
 
 
-def microbatches_in_flight(layout: Layout):
-    """Microbatches whose activations the first pipeline stage holds at its peak."""
+def microbatches_in_flight(layout: Layout, rank=0):
+    """Microbatches whose activations pipeline rank `rank` (the first by default) holds at its peak."""
     m = layout.microbatches
     p = layout.pp.astype(float)
     v = layout.interleave.astype(float)
-    one_f_one_b = np.minimum(m, p)
-    # Megatron's warm-up, (p − 1)·2 + (v − 1)·p chunk forwards, and one more before the first backward: of the rank's
-    # m·v, in whole-rank units min(m, p + (p − 1)/v) = min(m, p)·(1 + (p − 1)/(p·v)) once m > p
-    interleaved = np.minimum(m, p + (p - 1) / v)
+    one_f_one_b = np.minimum(m, p - rank)
+    # Megatron's warm-up, (p − r − 1)·2 + (v − 1)·p chunk forwards, and one more before the first backward: of the
+    # rank's m·v, in whole-rank units min(m, p + (p − 2r − 1)/v); on the first, min(m, p)·(1 + (p − 1)/(p·v)) once m > p
+    interleaved = np.minimum(m, p + (p - 2 * np.asarray(rank) - 1) / v)
     return np.select([layout.schedule == 0, layout.schedule == 2], [m, interleaved], one_f_one_b)

@@ -76,9 +76,9 @@ class StageLayers:
     """Decoder layers one pipeline rank holds under the balanced split, arrays over layouts (`*_moe`: of them, those
     with experts): the first rank (the embedding, and the most microbatches in flight), the last (the output layer),
     and the busiest of the others (the most forward FLOPs; none when pp = 1). The slowest rank is the last or that one:
-    predict.training times both. `middle` and `middle_moe` hold, along a last axis, the layers of each rank between
-    the first and the last (distinct ones, zeros where none): the rank holding the most parameters can be one of them
-    (predict.memory.stage_parameters)."""
+    predict.training times both. `middle`, `middle_moe` and `middle_rank` hold, along a last axis, the layers of the
+    ranks between the first and the last, each (layers, MoE layers) once with the first rank holding it (zeros where
+    none): the rank holding the most parameters, or activations, can be one of them (predict.memory)."""
 
     first: np.ndarray
     first_moe: np.ndarray
@@ -88,6 +88,7 @@ class StageLayers:
     busiest_other_moe: np.ndarray
     middle: np.ndarray
     middle_moe: np.ndarray
+    middle_rank: np.ndarray
 
 
 def stage_layers(model: Model, layout: Layout) -> StageLayers:
@@ -101,8 +102,9 @@ def stage_layers(model: Model, layout: Layout) -> StageLayers:
     pairs, which = np.unique(pp * (1 << 32) + chunks, return_inverse=True)  # each (pp, v) split once
     rows = [_rank_layers(costs, dense_layers, head, int(pair >> 32), int(pair & 0xFFFFFFFF)) for pair in pairs]
     width = max((len(row["middle"]) for row in rows), default=1)  # the middle ranks', padded with ranks of none
+    middle = ("middle", "middle_moe", "middle_rank")
     for row in rows:
-        row["middle"], row["middle_moe"] = (row[name] + [0.0] * (width - len(row[name])) for name in ("middle", "middle_moe"))
+        row.update({name: row[name] + [0.0] * (width - len(row[name])) for name in middle})
     return StageLayers(**{name: np.array([row[name] for row in rows], dtype=float)[which].reshape(
         pp.shape + ((width,) if name.startswith("middle") else ())) for name in StageLayers.__dataclass_fields__})
 
@@ -141,15 +143,19 @@ def _rank_layers(costs: tuple, dense_layers: int, head: float, p: int, v: int) -
         share, moe_share = layers / p, (layers - dense_layers) / p
         return dict(first=share, first_moe=moe_share, last=share, last_moe=moe_share,
                     busiest_other=share if p > 1 else 0.0, busiest_other_moe=moe_share if p > 1 else 0.0,
-                    middle=[share if p > 2 else 0.0], middle_moe=[moe_share if p > 2 else 0.0])
+                    middle=[share if p > 2 else 0.0], middle_moe=[moe_share if p > 2 else 0.0],
+                    middle_rank=[1.0 if p > 2 else 0.0])
     held, moe_held, flops = np.zeros(p), np.zeros(p), np.zeros(p)
     for stage, (stage_layers, moe_layers, stage_flops) in enumerate(_virtual_stages(costs, dense_layers, head, p * v)):
         held[stage % p] += stage_layers
         moe_held[stage % p] += moe_layers
         flops[stage % p] += stage_flops  # the output layer's on the last rank, which the busiest other leaves out
     busiest = int(np.argmax(flops[:-1])) if p > 1 else None
-    middle = sorted({(float(held[r]), float(moe_held[r])) for r in range(1, p - 1)}) or [(0.0, 0.0)]
+    first_holding = {}  # (layers, MoE layers) -> the first middle rank holding them (the most microbatches in flight)
+    for r in range(1, p - 1):
+        first_holding.setdefault((float(held[r]), float(moe_held[r])), float(r))
+    middle = sorted((*pair, r) for pair, r in first_holding.items()) or [(0.0, 0.0, 0.0)]
     return dict(first=held[0], first_moe=moe_held[0], last=held[-1], last_moe=moe_held[-1],
                 busiest_other=0.0 if busiest is None else held[busiest],
                 busiest_other_moe=0.0 if busiest is None else moe_held[busiest],
-                middle=[layers for layers, _ in middle], middle_moe=[moe for _, moe in middle])
+                **{name: [row[i] for row in middle] for i, name in enumerate(("middle", "middle_moe", "middle_rank"))})
