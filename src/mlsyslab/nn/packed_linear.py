@@ -259,10 +259,9 @@ def step_shapes(layer: nn.Module) -> list[tuple[int, int]]:
     """[out, in] of a decoder layer's matrices as its serving copy fuses them, in step order: q|k|v, o, gate|up,
     down."""
     attention, mlp = layer.self_attn, layer.mlp
-    return [(sum(attention._modules[name].out_features for name in ("q_proj", "k_proj", "v_proj")),
-             attention.q_proj.in_features), tuple(attention.o_proj.weight.shape),
-            (mlp.gate_proj.out_features + mlp.up_proj.out_features, mlp.gate_proj.in_features),
-            tuple(mlp.down_proj.weight.shape)]
+    fused = lambda *linears: (sum(linear.out_features for linear in linears), linears[0].in_features)  # noqa: E731
+    return [fused(attention.q_proj, attention.k_proj, attention.v_proj), fused(attention.o_proj),
+            fused(mlp.gate_proj, mlp.up_proj), fused(mlp.down_proj)]
 
 
 def packed_layer(layer: nn.Module, kernels: bool, rows: tuple, dtype: torch.dtype | None = None,
