@@ -392,6 +392,14 @@ def assert_states_are_predicted(report: dict) -> None:
         assert held["memory_bytes"]["weights"]["measured"] > 0
 
 
+def assert_stage_activations_are_predicted(report: dict) -> None:
+    """Under PP, the stage holding the most activations at once (measured on every rank: here the last, whose loss
+    keeps fp32 log-probabilities of the whole vocabulary) holds what predict counts for it through its own order of
+    actions, to the byte."""
+    most = report["predicted_vs_measured"]["heaviest_activations"]
+    assert most["measured"] == most["predicted"] and most["stage"] == most["predicted_stage"], most
+
+
 @pytest.mark.parametrize("layouts", [
     # (TP 2 with sequence parallelism: the Qwen runs below, through the pipeline, and beside ZeRO-3)
     pytest.param([["--tp", "2"], ["--pp", "2", "--microbatches", "4", "--timeline"], ["--cp", "2"]], id="2-ranks"),
@@ -421,6 +429,7 @@ def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny, 
             assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 5000
             layers = report["predicted_vs_measured"]["stage_layers"]  # predict splits as the pipeline does
             assert layers["measured"] == layers["predicted"], layers
+            assert_stage_activations_are_predicted(report)
         if "--cp" in args:  # K/V around the ring and the weights' gradients summed over the CP group
             assert wire["context_parallel"]["measured"] == pytest.approx(wire["context_parallel"]["predicted"])
         activations = report["predicted_vs_measured"]["memory_bytes"]["activations"]  # what nn/ saves, to the byte
@@ -460,6 +469,7 @@ def test_sequence_parallel_through_the_pipeline(tiny, single_process_losses):
     held = report["predicted_vs_measured"]["memory_bytes"]["activations"]
     assert held["measured"] == held["predicted"], held
     assert_states_are_predicted(report)  # its stage's layers and the embedding, each split over TP
+    assert_stage_activations_are_predicted(report)  # the last stage's head input: its shard under SP
     without = TrainConfig(**{**report["config"], "sequence_parallel": False})  # predicted as measured in the 2-rank runs
     assert held["measured"] < 0.85 * compare_mesh_training(without, report["result"])["memory_bytes"]["activations"]["predicted"]
 
@@ -484,6 +494,7 @@ def test_pipeline_schedules_hold_the_activations_predict_says(untied, tmp_path):
         report = _train_json(untied, "--pp", "2", "--microbatches", "4", "--schedule", schedule, "--steps", "2")
         held[schedule] = report["predicted_vs_measured"]["memory_bytes"]["activations"]
         assert held[schedule]["measured"] == held[schedule]["predicted"], (schedule, held[schedule])
+        assert_stage_activations_are_predicted(report)
     assert held["gpipe"]["measured"] == pytest.approx(2 * held["1f1b"]["measured"], rel=0.01)
     assert held["gpipe"]["predicted"] == pytest.approx(2 * held["1f1b"]["predicted"])
     eight = tmp_path / "eight.yaml"
@@ -493,6 +504,7 @@ def test_pipeline_schedules_hold_the_activations_predict_says(untied, tmp_path):
     assert report["predicted_vs_measured"]["stage_layers"]["measured"] == 5
     interleaved = report["predicted_vs_measured"]["memory_bytes"]["activations"]
     assert interleaved["measured"] == interleaved["predicted"], interleaved
+    assert_stage_activations_are_predicted(report)
 
 
 @pytest.fixture(scope="module")

@@ -194,7 +194,10 @@ def _print(config, result, comparison) -> None:
                                          ("bubble: the split's stage costs, simulated", share(on_split["predicted"]),
                                           share(on_split["measured"]), ratio(on_split["ratio"])),
                                          ("decoder layers on rank 0 (cost-balanced split)", f"{layers['predicted']:g}",
-                                          str(layers["measured"]), ratio(layers["ratio"]))],
+                                          str(layers["measured"]), ratio(layers["ratio"]))]
+                                        + ([(f"activations on the stage holding the most ({most['stage']})",
+                                             fmt(most["predicted"]), fmt(most["measured"]), ratio(most["ratio"]))]
+                                           if (most := comparison.get("heaviest_activations")) else []),
                             ("", "predicted", "measured", "measured / predicted")))
         if config.timeline:
             console.print(f"the last step's executed timeline: {config.timeline}")

@@ -254,6 +254,8 @@ class TrainResult:
     heaviest_rank: dict = field(default_factory=dict)  # on a mesh: the rank holding the most parameters (the first
     # of them), its pipeline stage, parameters (and padded as ZeRO pads them) and model-state bytes by category
     activation_bytes: int = 0  # saved for backward on rank 0: by one microbatch; on a mesh, the most held at once
+    stage_activation_bytes: list = field(default_factory=list)  # on a mesh: the most held at once on each pipeline
+    # stage's ranks
     stage_layers: int = 0  # on a mesh: the decoder layers rank 0 holds (its pipeline stages')
     wire_bytes_per_step: dict = field(default_factory=dict)  # rank 0, by op (on a mesh: by dimension)
     tokens_per_s: float = 0.0
@@ -440,10 +442,13 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
     if config.steps > start:  # the rank whose model states the planner's memory per accelerator prices
         mine = {"rank": rank.rank, "stage": mesh.pp.rank, "parameters": result.parameters,
                 "padded_parameters": result.padded_parameters,
-                "padded_expert_parameters": result.padded_expert_parameters, "held_bytes": result.held_bytes}
+                "padded_expert_parameters": result.padded_expert_parameters, "held_bytes": result.held_bytes,
+                "activation_bytes": result.activation_bytes}
         everyone = [None] * rank.world_size
         dist.all_gather_object(everyone, mine, group=rank.group)
         result.heaviest_rank = max(everyone, key=lambda r: r["parameters"])
+        result.stage_activation_bytes = [max(r["activation_bytes"] for r in everyone if r["stage"] == stage)
+                                         for stage in range(config.pp)]
     steps_run = max(1, config.steps - start)
     result.wire_bytes_per_step = {name: sum(log.bytes_sent.values()) / steps_run for name, log in logs.items()}
     result.bubble = statistics.median(bubbles[1:] or bubbles) if bubbles else None

@@ -166,6 +166,13 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
                                           ).bubble if schedule is not None else None, result.get("bubble")),
         "step_s": _pair(None, measured_step),
     }
+    if schedule is not None and result.get("stage_activation_bytes"):  # every stage's, the heaviest beside predict's
+        per_stage = [saved_activation_bytes(spec, layout, prediction.stages, width, assumptions, schedule, stage)
+                     for stage in range(config.pp)]
+        measured = result["stage_activation_bytes"]
+        most = int(np.argmax(measured))
+        report["heaviest_activations"] = {"stage": most, "predicted_stage": int(np.argmax(per_stage)),
+                                          **_pair(per_stage[most], measured[most])}
     heaviest = result.get("heaviest_rank")
     if heaviest:  # the rank holding the most, against predict's heaviest (what the planner's memory per GPU prices)
         dense, experts = stage_parameters(parameters(spec), layout, prediction.stages, "heaviest")
@@ -197,20 +204,22 @@ def predicted_mesh_states(config, result: dict, stage: int = 0) -> dict:
 
 
 def saved_activation_bytes(spec: Model, layout: Layout, stages, width: float,
-                           assumptions: Assumptions = DEFAULT, schedule=None) -> float:
-    """What rank 0 holds for backward at once: predict.memory's count of what nn/ saves (its eager accounting) at the
-    run's `width` bytes an activation — for the layers the first stage holds, the embedding and, without PP, the head
-    and the loss, times the microbatches the schedule keeps in flight; under PP (`schedule`: a
-    `parallel.schedules.Schedule`) each of rank 0's chunks weighed by its own layers through rank 0's order, since
-    the cost-balanced split can leave an interleaved rank's chunks unequal where the closed form takes them as equal."""
+                           assumptions: Assumptions = DEFAULT, schedule=None, rank: int = 0) -> float:
+    """What pipeline rank `rank` holds for backward at once: predict.memory's count of what nn/ saves (its eager
+    accounting) at the run's `width` bytes an activation — for the layers the first stage holds, the embedding and,
+    without PP, the head and the loss, times the microbatches the schedule keeps in flight; under PP (`schedule`: a
+    `parallel.schedules.Schedule`) each of the rank's chunks weighed by its own layers (the embedding with the first
+    virtual stage, the head and the loss with the last) through the rank's order, since the cost-balanced split can
+    leave an interleaved rank's chunks unequal where the closed form takes them as equal."""
     eager = assumptions.override({"eager_activations": True})
     if schedule is None:
         return float(np.asarray(first_stage_activation_bytes(spec, layout, stages, width, eager)).reshape(-1)[0])
     p, v = schedule.stages, schedule.chunks
     split = virtual_stage_layers(spec, p * v)
-    chunks = [float(np.asarray(eager_chunk_activation_bytes(spec, layout, width, *split[c * p], c == 0, False)
-                               ).reshape(-1)[0]) for c in range(v)]
-    return float(peak_held(schedule.actions[0], chunks))
+    stage = lambda c: c * p + rank  # noqa: E731 - the virtual stage of the rank's chunk c
+    chunks = [float(np.asarray(eager_chunk_activation_bytes(spec, layout, width, *split[stage(c)], stage(c) == 0,
+                                                            stage(c) == p * v - 1)).reshape(-1)[0]) for c in range(v)]
+    return float(peak_held(schedule.actions[rank], chunks))
 
 
 def vocab_parallel_bytes(config, spec: Model, head: bool = True) -> float:
