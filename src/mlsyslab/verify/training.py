@@ -148,7 +148,9 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
         wire["gradient_norm"] = float(ring_all_reduce_bytes_per_rank(4, config.nproc))
     measured_step = float(np.median(result["step_s"][1:] or result["step_s"])) if result["step_s"] else None
     schedule = build(config.schedule, config.pp, config.microbatches, config.interleave) if config.pp > 1 else None
-    held = saved_activation_bytes(spec, layout, prediction.stages, width, assumptions, schedule)
+    per_stage = [saved_activation_bytes(spec, layout, prediction.stages, width, assumptions, schedule, stage)
+                 for stage in range(config.pp if schedule is not None else 1)]  # rank 0's first
+    held = per_stage[0]
     dense, experts = (float(np.asarray(count).reshape(-1)[0])
                       for count in stage_parameters(parameters(spec), layout, prediction.stages, "first"))
     memory = predicted_mesh_states(config, result)
@@ -167,8 +169,6 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
         "step_s": _pair(None, measured_step),
     }
     if schedule is not None and result.get("stage_activation_bytes"):  # every stage's, the heaviest beside predict's
-        per_stage = [saved_activation_bytes(spec, layout, prediction.stages, width, assumptions, schedule, stage)
-                     for stage in range(config.pp)]
         measured = result["stage_activation_bytes"]
         most = int(np.argmax(measured))
         report["heaviest_activations"] = {"stage": most, "predicted_stage": int(np.argmax(per_stage)),
