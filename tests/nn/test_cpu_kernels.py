@@ -1,5 +1,8 @@
 """The C++ serving kernels (nn/csrc) compute what the PyTorch path computes, and refuse bad input."""
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -7,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mlsyslab.measure import host
 from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.llama import Llama, LlamaConfig, RMSNorm
 from mlsyslab.nn.rope import apply_rope, rope_cos_sin, rope_inverse_frequencies
@@ -141,11 +145,13 @@ def test_serving_copy_with_kernels_matches_the_plain_model(dtype, tolerance):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows, out, inputs", [(1, 576, 576), (3, 1536, 576), (2, 37, 29), (5, 100, 77), (4, 4096, 64)])
+@pytest.mark.parametrize("rows, out, inputs", [(1, 576, 576), (3, 1536, 576), (2, 37, 29), (5, 100, 77), (4, 4096, 64),
+                                             (17, 960, 1536), (33, 100, 77)])
 def test_streamed_linear_rounds_the_exact_product_once(dtype, rows, out, inputs):
     """fp32 sums of the weights' values, plus the residual, rounded once to the weights' dtype: within one
     unit in the last place of the fp64 product rounded (ties and the fp32 sum decide the last bit), with
-    outputs and inputs that do not fill whole tiles, and split over threads (4,096 outputs)."""
+    outputs and inputs that do not fill whole tiles, split over threads (4,096 outputs), and rows past one block of
+    AMX tiles (17, 33)."""
     generator = torch.Generator().manual_seed(rows * out)
     weight = torch.randn(out, inputs, generator=generator).to(dtype)
     x, residual = torch.randn(rows, inputs, generator=generator).to(dtype), torch.randn(rows, out, generator=generator).to(dtype)
@@ -164,6 +170,36 @@ def test_streamed_linear_rounds_the_exact_product_once(dtype, rows, out, inputs)
             assert (error <= 4 * inputs * 2.0 ** -24 * (x.double().abs() @ weight.double().abs().T + 1)).all()
     alone = torch.cat([ops.streamed_linear(x[r:r + 1], tiles, out, residual[r:r + 1]) for r in range(rows)])
     assert torch.equal(alone, ops.streamed_linear(x, tiles, out, residual))  # a row's result does not depend on the batch
+
+
+AMX_CASES = [(1, 576, 576), (16, 96, 1536), (17, 960, 64), (40, 100, 77)]  # rows, out, inputs
+
+
+def vector_and_tile_products(cases) -> list[torch.Tensor]:
+    """residual + x·Wᵀ of each case's seeded bf16 operands, by the streamed kernel as this process runs it."""
+    ops, products = cpu_kernels.load(), []
+    for rows, out, inputs in cases:
+        generator = torch.Generator().manual_seed(rows * out + inputs)
+        weight, x = torch.randn(out, inputs, generator=generator).bfloat16(), torch.randn(rows, inputs, generator=generator).bfloat16()
+        products.append(ops.streamed_linear(x, ops.stream_pack(weight), out, torch.randn(rows, out, generator=generator).bfloat16()))
+    return products
+
+
+@pytest.mark.skipif(not host.cpu_has_amx(), reason="no AMX tiles on this CPU")
+def test_bf16_panels_take_amx_tiles_and_agree_with_the_vector_kernel(tmp_path):
+    """On a CPU with AMX the bf16 panel products run on tiles (csrc/amx_linear.cpp); with MLSYS_AMX=0 (a process of
+    its own) on the vector kernel: the same sums, but for the last bit of a few outputs in 10^4 (the hardware's order
+    within an input pair), over one, two and three blocks of 16 rows and inputs that leave steps past the last tile."""
+    assert cpu_kernels.amx_panels()
+    saved = tmp_path / "vector.pt"
+    script = ("import sys, torch; sys.path.insert(0, {tests!r}); from test_cpu_kernels import *; "
+              "assert not cpu_kernels.amx_panels(); torch.save(vector_and_tile_products(AMX_CASES), {saved!r})")
+    subprocess.run([sys.executable, "-c", script.format(tests=str(Path(__file__).parent), saved=str(saved))],
+                   env={**os.environ, "MLSYS_AMX": "0"}, check=True)
+    for tiles, vector in zip(vector_and_tile_products(AMX_CASES), torch.load(saved)):
+        differ = tiles != vector
+        assert differ.float().mean() < 1e-3
+        assert ((tiles.float() - vector.float()).abs()[differ] <= vector.float().abs()[differ] * 2.0 ** -7).all()
 
 
 def test_streamed_linear_refuses_what_it_does_not_compute():

@@ -71,22 +71,25 @@ S, P, L, INF = Kernel.STREAMED, Kernel.PACKED, Kernel.PLAIN, float("inf")
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels did not build here")
-@pytest.mark.parametrize("packs_bf16, panels, amx, dtype, plan", [
-    (False, False, False, torch.bfloat16, ((16, S), (INF, L))),  # AVX2 (Zen 3): oneDNN refuses to pack bf16
-    (False, False, False, torch.float32, ((16, S), (INF, P))),
-    (True, False, False, torch.bfloat16, ((4, S), (INF, P))),  # AVX-512 without AVX512_BF16
-    (True, True, False, torch.bfloat16, ((INF, S),)),  # AVX512_BF16 (Zen 4): the panel kernel at every row count
-    (True, True, False, torch.float32, ((96, S), (INF, P))),  # AVX-512: the fp32 panel kernel under 96 rows
-    (True, True, True, torch.bfloat16, ((4, S), (256, P), (INF, L))),  # AMX: its GEMM on the plain weight from 256 rows
+@pytest.mark.parametrize("packs_bf16, panels, amx, tiles, dtype, plan", [
+    (False, False, False, False, torch.bfloat16, ((16, S), (INF, L))),  # AVX2 (Zen 3): oneDNN refuses to pack bf16
+    (False, False, False, False, torch.float32, ((16, S), (INF, P))),
+    (True, False, False, False, torch.bfloat16, ((4, S), (INF, P))),  # AVX-512 without AVX512_BF16
+    (True, True, False, False, torch.bfloat16, ((INF, S),)),  # AVX512_BF16 (Zen 4): the panel kernel at every row count
+    (True, True, False, False, torch.float32, ((96, S), (INF, P))),  # AVX-512: the fp32 panel kernel under 96 rows
+    (True, True, True, True, torch.bfloat16, ((48, S), (INF, P))),  # AMX: the panels on tiles under 48 rows
+    (True, True, True, True, torch.float32, ((96, S), (INF, P))),
+    (True, True, True, False, torch.bfloat16, ((4, S), (INF, P))),  # AMX the OS did not grant: oneDNN's from 4 rows
 ])
-def test_small_steps_stream_on_every_cpu(monkeypatch, packs_bf16, panels, amx, dtype, plan):
+def test_small_steps_stream_on_every_cpu(monkeypatch, packs_bf16, panels, amx, tiles, dtype, plan):
     """Wherever the C++ kernels build, steps under `streamed_below(dtype)` rows (on the panel kernel, every row
-    count for bf16 without AMX and 96 for fp32; else 16 where oneDNN cannot pack bf16 and 4 where it can) take the
-    streamed kernel on its tiled weight, and wider ones oneDNN's packed weight or the plain one, by what the CPU
-    has; every kernel of the plan computes the product (where this CPU can run it)."""
+    count for bf16 without AMX, 48 for bf16 on AMX tiles and 96 for fp32; else 16 where oneDNN cannot pack bf16 and 4
+    where it can) take the streamed kernel on its tiled weight, and wider ones oneDNN's packed weight or the plain
+    one, by what the CPU has; every kernel of the plan computes the product (where this CPU can run it)."""
     runnable = dtype == torch.float32 or not packs_bf16 or packed_linear.onednn_packs_bf16()
     monkeypatch.setattr(packed_linear, "onednn_packs_bf16", lambda: packs_bf16)
     monkeypatch.setattr(cpu_kernels, "panels", lambda _: panels)
+    monkeypatch.setattr(cpu_kernels, "amx_panels", lambda: tiles)
     monkeypatch.setattr(host, "cpu_has_amx", lambda: amx)
     assert kernel_plan(dtype) == plan
     if runnable:

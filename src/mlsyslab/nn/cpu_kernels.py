@@ -9,7 +9,8 @@
   kernels above and the serving copy's matmuls in C++ order; used by `nn.fused_decode`.
 - `stream_pack`, `streamed_linear` (csrc/streamed_linear.cpp): the matrix-vector product of small
   decode steps, on a tiled copy of the weight (`nn.packed_linear`); for fp32 where the CPU has AVX-512 and bf16
-  where it has AVX512_BF16, the register-blocked GEMM of csrc/panel_linear.cpp, at every row count (`panels`).
+  where it has AVX512_BF16, the register-blocked GEMM of csrc/panel_linear.cpp, at every row count (`panels`), for
+  bf16 on AMX tiles where the CPU has them (csrc/amx_linear.cpp, `amx_panels`).
 - `streamed_decode` (csrc/streamed_decode.cpp): a whole decode step, logits included, in one parallel
   region, when every matrix takes the streamed kernel; used by `nn.fused_decode`.
 - `softmax_draw` (csrc/softmax_draw.cpp): one token per row from softmax(logits / T) by inverse CDF;
@@ -57,6 +58,12 @@ def panels(dtype: torch.dtype) -> bool:
     """Whether the streamed kernel is the panel kernel for weights of `dtype` in this build (csrc/panel_linear.cpp:
     fp32 with AVX-512, bf16 with AVX512_BF16's pair instruction; False where the kernels do not build)."""
     return load() is not None and load().streamed_panels(dtype)
+
+
+def amx_panels() -> bool:
+    """Whether the bf16 panel kernel runs on AMX tiles here (csrc/amx_linear.cpp: the CPU has them, the OS granted them
+    to this process, and MLSYS_AMX is not 0)."""
+    return panels(torch.bfloat16) and load().streamed_amx()
 
 
 def cpu_fingerprint() -> str:

@@ -152,13 +152,16 @@ def kernel_plan(dtype: torch.dtype) -> tuple[tuple[float, Kernel], ...]:
 
 def streamed_below(dtype: torch.dtype) -> float:
     """Rows under which the streamed kernel runs. Where it is the panel kernel (`cpu_kernels.panels`): every row
-    count for bf16 on a CPU without AMX (on Zen 4 it led oneDNN's packed bf16 from 1 to 2,048 rows), 96 for fp32 (on
-    Zen 4 it led oneDNN's packed fp32 up to 64 rows, tied at 96 and trailed from 128: module docstring). Else 16
-    where oneDNN cannot pack bf16 (on Zen 3 the widening kernel led oneDNN's packed fp32 up to 16-24 rows), 4 where
-    it can (on Zen 4 oneDNN's packed matmul caught up with the widening kernel at 4 rows and led from there)."""
+    count for bf16 on a CPU without AMX (on Zen 4 it led oneDNN's packed bf16 from 1 to 2,048 rows), 48 for bf16 on
+    AMX tiles (`cpu_kernels.amx_panels`: ahead of oneDNN's packed AMX matmul up to 40 rows, behind from 48: module
+    docstring), 96 for fp32 (on Zen 4 it led oneDNN's packed fp32 up to 64 rows, tied at 96 and trailed from 128).
+    Else 16 where oneDNN cannot pack bf16 (on Zen 3 the widening kernel led oneDNN's packed fp32 up to 16-24 rows), 4
+    where it can (on Zen 4 oneDNN's packed matmul caught up with the widening kernel at 4 rows and led from there)."""
     if cpu_kernels.panels(dtype):
         if dtype == torch.float32:
             return 96
+        if cpu_kernels.amx_panels():
+            return 48
         if not host.cpu_has_amx():
             return math.inf
     return 4 if onednn_packs_bf16() else 16
@@ -166,11 +169,12 @@ def streamed_below(dtype: torch.dtype) -> float:
 
 def wide_kernel_plan(dtype: torch.dtype) -> tuple[tuple[float, Kernel], ...]:
     """The plan without the streamed kernel: MKL's GEMV or oneDNN's packed matmul for fp32, oneDNN's packed
-    bf16 matmul where it packs bf16 (its AMX GEMM on the plain weight from 256 rows), else the plain weight."""
+    bf16 matmul where it packs bf16 (with AMX too: its packed weight was ahead of the plain one at 256-512 rows and
+    even at 1,024-2,048, module docstring), else the plain weight."""
     if dtype == torch.float32:
         return (3, Kernel.PLAIN), (math.inf, Kernel.PACKED)
     if onednn_packs_bf16():
-        return ((256, Kernel.PACKED), (math.inf, Kernel.PLAIN)) if host.cpu_has_amx() else ((math.inf, Kernel.PACKED),)
+        return ((math.inf, Kernel.PACKED),)
     return ((math.inf, Kernel.PLAIN),)
 
 

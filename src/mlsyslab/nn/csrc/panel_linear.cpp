@@ -51,10 +51,14 @@ at::Tensor panel_pack(const at::Tensor& weight) {
 template <typename T, typename X>
 const T* panel_input(const X* x, int64_t rows, int64_t in, int64_t row_stride, int64_t steps) {
   thread_local std::vector<T> buffer;
-  const int64_t padded = steps * kPanelStep<T>;
-  buffer.resize(rows * padded);
+  const int64_t padded = steps * kPanelStep<T>, align = 64 / sizeof(T);  // rows on cache lines: tile loads split none
+  const bool tiles = std::is_same_v<T, c10::BFloat16> && amx_ready();
+  const int64_t size = (tiles ? (rows + kAmxRows - 1) / kAmxRows * kAmxRows : rows) * padded;
+  buffer.resize(size + align);
+  T* start = buffer.data() + (align - reinterpret_cast<uintptr_t>(buffer.data()) / sizeof(T) % align) % align;
+  std::fill(start + rows * padded, start + size, T(0.f));  // the A tiles' rows past the last
   for (int64_t r = 0; r < rows; ++r) {
-    T* row = buffer.data() + r * padded;
+    T* row = start + r * padded;
     if constexpr (std::is_same_v<X, T>) {
       std::memcpy(row, x + r * row_stride, in * sizeof(X));
     } else {  // the other dtype's rows: rounded to the weights' (fp32 rows of bf16 weights: as the pair instruction takes them)
@@ -62,7 +66,7 @@ const T* panel_input(const X* x, int64_t rows, int64_t in, int64_t row_stride, i
     }
     std::fill(row + in, row + padded, T(0.f));
   }
-  return buffer.data();
+  return start;
 }
 
 template const float* panel_input(const float*, int64_t, int64_t, int64_t, int64_t);
@@ -131,6 +135,9 @@ namespace mlsyslab {
 
 template <typename T>
 void panel_products(const StreamedProduct<T>& p, int64_t begin, int64_t end) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (amx_ready()) return amx_panel_products(p, begin, end);
+  }
   if constexpr (kPanelsFor<T>) {
     const T* x = static_cast<const T*>(p.x);
     const int64_t steps = p.chunks;

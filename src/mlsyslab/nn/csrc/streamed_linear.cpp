@@ -226,6 +226,8 @@ TORCH_LIBRARY_FRAGMENT(mlsyslab, m) {
   m.def("stream_pack(Tensor weight) -> Tensor", &mlsyslab::stream_pack);
   // whether weights of the dtype take the panel kernel (panel_linear.cpp) in this build
   m.def("streamed_panels(ScalarType dtype) -> bool", [](at::ScalarType dtype) { return mlsyslab::panels_for(dtype); });
+  // whether bf16 panels take AMX tiles (amx_linear.cpp) in this build and process
+  m.def("streamed_amx() -> bool", [] { return mlsyslab::amx_ready(); });
   m.def("streamed_linear(Tensor x, Tensor tiles, int out_features, Tensor? residual=None) -> Tensor",
         &mlsyslab::streamed_linear);
 }
