@@ -10,7 +10,8 @@ Three kernels compute x Wᵀ (`Kernel`):
 - STREAMED: our matrix-vector kernel (`nn/csrc/streamed_linear.cpp`) on a tiled copy of the weight
   that it reads as one sequential stream per thread; for bf16 on CPUs with AVX512_BF16, a register-blocked
   GEMM over panels of 48 outputs (`nn/csrc/panel_linear.cpp`, `cpu_kernels.panels`) for fp32 on CPUs with
-  AVX-512 and for bf16 on CPUs with AVX512_BF16 (its pair instruction).
+  AVX-512 and for bf16 on CPUs with AVX512_BF16 (its pair instruction), on AMX tiles where the CPU has them
+  (`nn/csrc/amx_linear.cpp`).
 Which is fastest depends on the dtype, the CPU and the row count (tokens in the step); measured (2
 cores, 30 layers of SmolLM2-135M's matrices; benchmarks/serve.py runs the model end to end):
 - AVX-512 host with AMX (before the streamed kernel existed): fp32 at 1-2 rows PLAIN (MKL's GEMV)
@@ -32,13 +33,20 @@ cores, 30 layers of SmolLM2-135M's matrices; benchmarks/serve.py runs the model 
   from 56-61 to 20-25 ms in fp32), PACKED the rest. Then the bf16 streamed kernel became the pair kernel there,
   ahead of PACKED at every row count measured (1 / 4 / 16 / 32 / 256 / 2,048 rows: 8.2 / 6.7 / 13.3 / 23.0 /
   167 / 1,359 ms against 15.2 / 12.5 / 19.8 / 30.7 / 171 / 1,432), so bf16 takes STREAMED alone where the
-  CPU has AVX512_BF16 without AMX (with AMX, oneDNN's AMX GEMM keeps the wide steps: not measured against it).
+  CPU has AVX512_BF16 without AMX (with AMX: the last entry).
   Then fp32 on AVX-512 took the same panels (one FMA per weight vector and row, against the widening kernel's
   lane reductions), 1.15-1.4x the widening kernel at 1 row (121 matrices, alternating in one process: 16.0 / 10.7
   ms against 18.3 / 14.9 in the slow / fast memory phase; one 538 MB matrix at 97-99% of a sum's bandwidth against
   87-88%), and against PACKED fp32 at 1 / 4 / 8 / 16 / 32 / 64 / 96 / 128 / 256 / 2,048 rows 16.0 / 15.9 / 18.2 /
   26.3 / 47.7 / 90.8 / 138 / 188 / 374 / 3,300 ms against 27.1 / 24.4 / 28.9 / 35.0 / 57.0 / 98.0 / 138 / 180 /
   343 / 2,880 (means of two, 2026-11-25): fp32 takes STREAMED under 96 rows there, PACKED from 96.
+- AVX-512 host with AMX (a 2-core Sapphire Rapids VM, 2026-12-01; SmolLM2's 121 bf16 matrices, variants alternating
+  in one process, medians): the bf16 panels on AMX tiles (`cpu_kernels.amx_panels`, csrc/amx_linear.cpp) against
+  PACKED (oneDNN's AMX matmul) at 1 / 16 / 32 / 40 / 48 / 64 / 256 rows 19.3 / 20.2 / 27.2 / 40.6 / 45.5 / 44.4 / 146
+  ms against 28.4 / 31.4 / 42.6 / 42.6 / 39.4 / 38.8 / 128 (the vector pair kernel there: 20.4 / 43.7 / 76.8 ms at 1 /
+  16 / 32 rows: its pair instruction issues at half an FMA's rate), so bf16 takes STREAMED under 48 rows, PACKED
+  from 48; PACKED against PLAIN at 256 / 512 / 1,024 / 2,048 rows 155 / 346 / 690 / 1,096 ms against 198 / 367 / 676
+  / 1,104, so no plain weight is kept.
 q/k/v and gate/up are each one matrix (`FusedPackedLinear`), and `add_to` folds the residual add
 that follows o_proj and down_proj into the matmul: at decode batch sizes the kernel count is what
 costs (the fp32 batch-1 step went from 33.0 to 31.6 ms).
