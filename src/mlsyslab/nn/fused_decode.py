@@ -9,7 +9,8 @@ over layers in C++. The kernel each weight takes (oneDNN on the prepacked weight
 weight, or the streamed kernel on its tiled one) is the one `PackedLinear.kernel` picks for the step's
 rows, so the logits are bit-equal to the Python path's (tests/nn/test_fused_decode.py). Two C++ steps:
 - where every matrix of the step takes the streamed kernel (steps under `packed_linear.streamed_below(dtype)`
-  rows wherever the C++ kernels build: every bf16 step on the pair kernel), `streamed_decode` runs the
+  rows wherever the C++ kernels build: every bf16 step on the pair kernel without AMX, steps under 48 rows on AMX
+  tiles), `streamed_decode` runs the
   embedding lookup, the layers, the final norm, the logits and each row's argmax in one parallel region,
   the threads meeting at barriers (on Zen 3, bf16 batch 1: ~1 ms a step less than the per-op loop: 121
   fork/joins and ~600 tensor allocations gone);
