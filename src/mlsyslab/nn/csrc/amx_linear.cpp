@@ -111,6 +111,7 @@ void store_row(const float* sums, const Bf16* residual, Bf16* y, int64_t columns
 }  // namespace
 
 namespace mlsyslab {
+
 bool amx_ready() {
   static const bool ready = tiles_granted();
   return ready;
