@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from mlsyslab.cli.options import resolve_assumptions, resolve_hardware
-from mlsyslab.measure.calibrate import calibrate
+from mlsyslab.errors import InvalidValue
+from mlsyslab.measure.calibrate import WIDTHS, _fit_efficiency, calibrate
+from mlsyslab.predict.assumptions import Assumptions
 from mlsyslab.predict.architecture import parameters
 from mlsyslab.predict.layout import Layout
 from mlsyslab.predict.training import predict_training
@@ -72,6 +74,19 @@ def test_zero_alone_takes_the_shared_memory_shard_collectives_beta(zero):
     assert dp(alone, slower) == pytest.approx(dp(alone, as_link), rel=1e-12)
     beside_tensor_parallel = Layout.of(dp=2, tp=2, zero=zero, micro_batch=2, global_batch=8, seq=1024)
     assert dp(beside_tensor_parallel, slower) == pytest.approx(dp(beside_tensor_parallel, base), rel=1e-12)
+
+
+def test_a_flat_matmul_fit_is_a_valid_assumption_but_a_zero_efficiency_is_not():
+    """The calibration's fit may find no width dependence (w_half = 0 where narrow GEMMs ran as fast as wide ones, as
+    in a CI run on a noisy 2-vCPU host, 2026-12-01): efficiency = max at every width, which the twin must accept. An
+    efficiency of 0 divides the times by zero: refused, naming the field."""
+    eta_max, w_half = _fit_efficiency(np.array(WIDTHS, float), np.ones(len(WIDTHS)))
+    assert (eta_max, w_half) == (pytest.approx(1.0), 0.0)
+    assert Assumptions().override({"matmul_half_efficiency_width": w_half}).matmul_half_efficiency_width == 0.0
+    for name in ("matmul_efficiency_max", "attention_efficiency", "memory_bandwidth_efficiency", "scale_up_efficiency",
+                 "scale_out_efficiency"):
+        with pytest.raises(InvalidValue, match=f"assume.{name}=0.0"):
+            Assumptions().override({name: 0.0})
 
 
 def test_calibrate_writes_a_spec_the_twin_reads(tmp_path):

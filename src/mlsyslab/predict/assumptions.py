@@ -132,7 +132,7 @@ def _check(name: str, text, value: float) -> None:
         raise InvalidValue(f"assume.{name}", text, "a finite value >= 0")
     if name.endswith(("_overlap", "_fraction")) and value > 1:
         raise InvalidValue(f"assume.{name}", text, "a fraction, 0..1")
-    if "efficiency" in name and value == 0:
+    if name.endswith(("_efficiency", "_efficiency_max")) and value == 0:  # not the half-efficiency width: 0 is flat
         raise InvalidValue(f"assume.{name}", text, "a value > 0 (times are divided by it)")
 
 
