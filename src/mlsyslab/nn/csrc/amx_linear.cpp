@@ -88,23 +88,14 @@ void add_last_steps(const Bf16* x, int64_t steps, int64_t from, const char* pane
   }
 }
 
-// y[0, columns) = sums + residual, rounded to bf16 as vec.h's `narrow` rounds (to nearest even, NaN kept NaN), 16
-// outputs an instruction sequence: a scalar loop over a block's 16 × 48 outputs cost as much as its products.
+// y[0, columns) = sums + residual, rounded once (vec.h `narrow`): the residual's test out of the loop, so that the
+// compiler vectorizes it (with the test inside, the scalar loop over a block's 16 × 48 outputs cost as much as its
+// products).
 void store_row(const float* sums, const Bf16* residual, Bf16* y, int64_t columns) {
-  for (int64_t c = 0; c < columns; c += 16) {
-    const __mmask16 lanes = columns - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (columns - c)) - 1);
-    __m512 value = _mm512_loadu_ps(sums + c);
-    if (residual != nullptr) {
-      const __m512i halves = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, residual + c));
-      value = _mm512_add_ps(value, _mm512_castsi512_ps(_mm512_slli_epi32(halves, 16)));
-    }
-    const __m512i bits = _mm512_castps_si512(value);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                  _mm512_set1_epi32(0x7F800000));
-    const __m512i out = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
-    _mm256_mask_storeu_epi16(y + c, lanes, _mm512_cvtepi32_epi16(out));
+  if (residual != nullptr) {
+    for (int64_t c = 0; c < columns; ++c) y[c] = narrow<Bf16>(sums[c] + widen(residual[c]));
+  } else {
+    for (int64_t c = 0; c < columns; ++c) y[c] = narrow<Bf16>(sums[c]);
   }
 }
 
