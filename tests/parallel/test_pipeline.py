@@ -13,7 +13,8 @@ from torch.func import functional_call
 from mlsyslab.comm.launch import spawn
 from mlsyslab.errors import InvalidValue
 from mlsyslab.nn.llama import Llama, LlamaConfig
-from mlsyslab.parallel.pipeline import PipelineRank, StageChunk, forward_flops_per_token, split
+from mlsyslab.parallel.pipeline import (PipelineRank, StageChunk, executed_timeline, forward_flops_per_token,
+                                        replayed_timeline, split)
 from mlsyslab.parallel.schedules import build, chrome_trace, render_png, timeline, weight_versions
 from mlsyslab.predict.assumptions import DEFAULT
 from mlsyslab.predict.pipeline import pipeline_bubble_fraction
@@ -106,6 +107,24 @@ def test_a_split_of_unequal_stages_simulates_a_larger_bubble():
     that; the second stage is busy 9 of the 10.5 units, the first 3: 9 idle of 21, against 1/3 for equal stages."""
     assert timeline(build("gpipe", 2, 2), stage_costs=[1, 3]).bubble == pytest.approx(9 / 21)
     assert timeline(build("gpipe", 2, 2), stage_costs=[2, 2]).bubble == pytest.approx(1 / 3)
+
+
+def test_a_replay_keeps_the_actions_times_and_leaves_out_the_waits_for_data():
+    """`replayed_timeline` runs the schedule at the executed actions' own times: a simulated step (unequal stages)
+    replays to itself; an executed GPipe step of 2 stages and 1 microbatch (forward 1, backward 2) whose two transfers
+    each took 0.25 is idle 7 of 13 rank-units, and replays to its compute alone, the analytic 1/2."""
+    schedule = build("1f1b", 2, 4)
+    simulated = timeline(schedule, stage_costs=[1, 1.5])
+    spans = [[(action, start, end) for r, action, start, end in simulated.spans if r == rank] for rank in range(2)]
+    replayed = replayed_timeline(schedule, spans)
+    assert [(r, a) for r, a, *_ in replayed.spans] == [(r, a) for r, a, *_ in simulated.spans]
+    assert [t for *_, start, end in replayed.spans for t in (start, end)] == pytest.approx(
+        [t for *_, start, end in simulated.spans for t in (start, end)])
+    gpipe = build("gpipe", 2, 1)
+    (forward, backward), _ = gpipe.actions
+    executed = [[(forward, 0.0, 1.0), (backward, 4.5, 6.5)], [(forward, 1.25, 2.25), (backward, 2.25, 4.25)]]
+    assert executed_timeline(gpipe, executed).bubble == pytest.approx(7 / 13)
+    assert replayed_timeline(gpipe, executed).bubble == pytest.approx(1 / 2) == gpipe.analytic_bubble
 
 
 @pytest.mark.parametrize("name, p, v", [("gpipe", 3, 1), ("1f1b", 4, 1), ("interleaved", 2, 3), ("interleaved", 4, 2),

@@ -410,7 +410,8 @@ def assert_stage_activations_are_predicted(report: dict) -> None:
 def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny, single_process_losses, tmp_path, layouts):
     """--tp 2, --pp 2 (tied embeddings across the stages), --cp 2, and (-m slow) --cp 2 with --tp 2 and sequence
     parallelism or with --pp 2 reproduce one process's losses; TP (with SP, the norms' summed gradients too), PP and
-    CP bytes on the wire equal the prediction, and PP reports its executed bubble and draws it."""
+    CP bytes on the wire equal the prediction, and PP reports its executed bubble (and, below it, the schedule's at
+    the executed actions' times) and draws it."""
     reference = single_process_losses
     chart = tmp_path / "timeline.png"
     for layout in layouts:
@@ -426,6 +427,9 @@ def test_mesh_training_follows_the_single_process_run_and_predicted_bytes(tiny, 
             assert bubble["predicted"] == pytest.approx(1 / 5) and 0 < bubble["measured"] < 1
             # the last stage also computes the 49,152-word head: simulated on the split's costs, a larger bubble
             assert report["predicted_vs_measured"]["bubble_on_split"]["predicted"] > 0.3
+            # the schedule at the step's own action times leaves the waits for data out: never above the executed
+            replayed = report["predicted_vs_measured"]["bubble_replayed"]
+            assert 0 < replayed["predicted"] <= replayed["measured"] + 1e-9 and replayed["measured"] == bubble["measured"]
             assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 5000
             layers = report["predicted_vs_measured"]["stage_layers"]  # predict splits as the pipeline does
             assert layers["measured"] == layers["predicted"], layers

@@ -188,11 +188,14 @@ def _print(config, result, comparison) -> None:
         bubble = comparison["bubble"]
         share = lambda v: "—" if v is None else f"{v:.1%}"  # noqa: E731
         layers = comparison["stage_layers"]
-        on_split = comparison["bubble_on_split"]
+        on_split, replayed = comparison["bubble_on_split"], comparison["bubble_replayed"]
         console.print(table("pipeline", [("bubble: analytic vs executed timeline", share(bubble["predicted"]),
                                           share(bubble["measured"]), ratio(bubble["ratio"])),
                                          ("bubble: the split's stage costs, simulated", share(on_split["predicted"]),
                                           share(on_split["measured"]), ratio(on_split["ratio"])),
+                                         ("bubble: the executed actions' own times, replayed",
+                                          share(replayed["predicted"]), share(replayed["measured"]),
+                                          ratio(replayed["ratio"])),
                                          ("decoder layers on rank 0 (cost-balanced split)", f"{layers['predicted']:g}",
                                           str(layers["measured"]), ratio(layers["ratio"]))]
                                         + ([(f"activations on the stage holding the most ({most['stage']})",

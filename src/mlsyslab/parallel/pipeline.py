@@ -22,7 +22,8 @@ chunk's output by an identity whose backward adds that share's gradient (`WithLo
 Megatron-Core's MoEAuxLossAutoScaler), so it needs no trip to the last stage; each rank returns its
 shares with the loss, summed over the pipeline by the caller.
 Each span of the executed timeline starts once the action's input has arrived, so the time a rank
-spends waiting for its neighbour is idle time: `executed_timeline` measures the bubble from the spans.
+spends waiting for its neighbour is idle time: `executed_timeline` measures the bubble from the spans, and
+`replayed_timeline` the bubble the schedule itself leaves at the step's own action times (the difference: waits).
 Twin: predict.pipeline (bubble), predict.memory (activations in flight). Held equal to the
 unpipelined model, and PipeDream to a single-process replay, in tests/parallel/test_pipeline.py.
 """
@@ -44,7 +45,7 @@ from mlsyslab.nn.llama import Llama, causal_attention, release_unheld
 from mlsyslab.nn.rope import rope_cos_sin, rope_inverse_frequencies
 from mlsyslab.nn.moe import AUX_LOSS_WEIGHT, MixtureOfExperts, balancing_losses
 from mlsyslab.parallel.context import ring_attention, zigzag_indices
-from mlsyslab.parallel.schedules import Schedule, Timeline
+from mlsyslab.parallel.schedules import Schedule, Timeline, timeline
 from mlsyslab.parallel.weight_stash import WeightStash
 from mlsyslab.predict.pipeline import balanced_split
 
@@ -250,3 +251,13 @@ def executed_timeline(schedule: Schedule, spans_per_rank: list[list]) -> Timelin
     with `schedules.render_png` / `chrome_trace`."""
     return Timeline.of(schedule, [(rank, action, start, end) for rank, spans in enumerate(spans_per_rank)
                                   for action, start, end in spans])
+
+
+def replayed_timeline(schedule: Schedule, spans_per_rank: list[list]) -> Timeline:
+    """The schedule simulated with each action taking the time it took in the executed step (`executed_timeline`'s
+    spans), its input there the moment the action it needs ends: the bubble the schedule itself leaves at this run's
+    compute times. Where ranks compute the same stage work at different speeds (unequal stages, or a host whose cores
+    differ from moment to moment) it is above the analytic bubble; the executed bubble above it is the executor's own
+    cost — transfers, and receives posted late (benchmarks/pipeline.py)."""
+    return timeline(schedule, durations={(rank, action): end - start for rank, spans in enumerate(spans_per_rank)
+                                         for action, start, end in spans})

@@ -133,11 +133,13 @@ class Timeline:
                    [peak_held(actions) for actions in schedule.actions])
 
 
-def timeline(schedule: Schedule, forward_s: float = 1.0, backward_s: float = 2.0, stage_costs=None) -> Timeline:
+def timeline(schedule: Schedule, forward_s: float = 1.0, backward_s: float = 2.0, stage_costs=None,
+             durations: dict | None = None) -> Timeline:
     """Simulate the schedule: each action starts when its rank is free and its input has arrived
     (a forward needs the previous virtual stage's forward; a backward the next stage's backward, or its
     own forward on the last stage). Times are per chunk: a full stage's forward_s divided by v, scaled by
-    `stage_costs[virtual stage]` over their mean when given (a split whose stages do unequal work)."""
+    `stage_costs[virtual stage]` over their mean when given (a split whose stages do unequal work) — or, given
+    `durations` {(rank, action): seconds}, each action's own (an executed step's, replayed: `pipeline.replayed_timeline`)."""
     p, v = schedule.stages, schedule.chunks
     scale = [1.0] * (p * v) if stage_costs is None else [c * len(stage_costs) / sum(stage_costs) for c in stage_costs]
     last = p * v - 1
@@ -160,7 +162,8 @@ def timeline(schedule: Schedule, forward_s: float = 1.0, backward_s: float = 2.0
             if needs is not None and needs not in done:
                 continue
             start = max(clock[rank], done.get(needs, 0.0))
-            end = start + (forward_s if action.kind == "F" else backward_s) / v * scale[stage]
+            end = start + (durations[(rank, action)] if durations is not None
+                           else (forward_s if action.kind == "F" else backward_s) / v * scale[stage])
             done[(action.kind, action.microbatch, stage)] = end
             clock[rank] = end
             spans.append((rank, action, start, end))

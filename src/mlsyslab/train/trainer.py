@@ -15,7 +15,8 @@ counted once (parallel/clipping.py; not under PipeDream's schedule, whose stages
 
 With --tp / --pp / --cp > 1 the same loop runs `parallel.mesh.composed_step` on a device mesh
 (DP × PP × CP × TP, with EP inside DP; `train_on_mesh`) and measures the bytes each dimension sends, the
-activations rank 0 holds at once (in its first step) and, under PP, the bubble of the executed timeline, for
+activations rank 0 holds at once (in its first step) and, under PP, the bubble of the executed timeline (and of
+the schedule replayed at the executed actions' times), for
 `verify.training.compare_mesh_training`;
 `--strategy zero1` shards the optimizer state along DP, and zero2 / zero3 also the gradients / weights
 (with every layout: parallel/mesh_zero.py). An MoE model (a catalog spec with
@@ -56,7 +57,7 @@ from mlsyslab.parallel.clipping import clip_gradients, piece_weights
 from mlsyslab.parallel.ddp import DataParallel
 from mlsyslab.parallel.mesh import MeshLayout, build_mesh, composed_step, expert_parameters, prepare
 from mlsyslab.parallel.mesh_zero import MeshZero
-from mlsyslab.parallel.pipeline import executed_timeline
+from mlsyslab.parallel.pipeline import executed_timeline, replayed_timeline
 from mlsyslab.parallel.schedules import SCHEDULES, chrome_trace, render_png
 from mlsyslab.parallel.schedules import build as build_schedule
 from mlsyslab.parallel.tensor import split_parameters
@@ -260,6 +261,7 @@ class TrainResult:
     wire_bytes_per_step: dict = field(default_factory=dict)  # rank 0, by op (on a mesh: by dimension)
     tokens_per_s: float = 0.0
     bubble: float | None = None  # on a mesh with pp > 1: median executed bubble (steps after the first)
+    replayed_bubble: float | None = None  # the schedule at the executed actions' times, waits left out (same steps)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -393,7 +395,7 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
         dense, experts = zero.padded_numel
         result.padded_parameters, result.padded_expert_parameters = dense + experts, experts
     result.stage_layers = sum(len(chunk.layers) for chunk in pipeline.chunks) if pipeline else model.config.layers
-    bubbles, executed, meter = [], None, ActivationMeter()
+    bubbles, replayed, executed, meter = [], [], None, ActivationMeter()
     for step in range(start, config.steps):
         began = time.perf_counter()
         result.lrs.append(set_lr([z.optimizer for z in zeros] or [optimizer], config.lr_at(step)))
@@ -429,6 +431,7 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
             dist.all_gather_object(spans, pipeline.last_spans, group=mesh.pp.group)
             executed = executed_timeline(pipeline.schedule, spans)
             bubbles.append(executed.bubble)
+            replayed.append(replayed_timeline(pipeline.schedule, spans).bubble)
         if progress is not None:
             progress(step + 1, loss, config.global_batch * config.seq / result.step_s[-1])
         if config.checkpoint_dir and _checkpoint_due(config, step):
@@ -452,6 +455,7 @@ def train_on_mesh(rank: Rank, config: TrainConfig, tokens: torch.Tensor, progres
     steps_run = max(1, config.steps - start)
     result.wire_bytes_per_step = {name: sum(log.bytes_sent.values()) / steps_run for name, log in logs.items()}
     result.bubble = statistics.median(bubbles[1:] or bubbles) if bubbles else None
+    result.replayed_bubble = statistics.median(replayed[1:] or replayed) if replayed else None
     if result.step_s:
         result.tokens_per_s = config.global_batch * config.seq / statistics.median(result.step_s[1:] or result.step_s)
     return result

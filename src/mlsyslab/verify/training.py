@@ -166,6 +166,9 @@ def compare_mesh_training(config, result: dict, hardware: Hardware | None = None
         # output layer is one piece), which the analytic bubble, of equal stages, does not see
         "bubble_on_split": _pair(timeline(schedule, stage_costs=virtual_stage_costs(spec, config.pp * config.interleave)
                                           ).bubble if schedule is not None else None, result.get("bubble")),
+        # the schedule at the executed actions' own times: what the ranks' compute left; the executed bubble over it
+        # is the executor's (transfers, waits for a receive)
+        "bubble_replayed": _pair(result.get("replayed_bubble"), result.get("bubble")),
         "step_s": _pair(None, measured_step),
     }
     if schedule is not None and result.get("stage_activation_bytes"):  # every stage's, the heaviest beside predict's
