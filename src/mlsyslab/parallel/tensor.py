@@ -143,12 +143,19 @@ def _enter_linears(x, tp: TensorGroup, sequence_parallel: bool, *linears) -> tup
 
 
 class _Leave(torch.autograd.Function):
-    """Out of a row-parallel region: g (all-reduce / identity) or, with SP, reduce-scatter / all-gather."""
+    """Out of a row-parallel region: g (all-reduce / identity) or, with SP, reduce-scatter / all-gather. The partial
+    sums are the fresh output of the product before it, which nothing saves for backward: they are summed in place
+    (marked dirty, so that autograd would refuse a backward that needed them) rather than copied first."""
 
     @staticmethod
     def forward(ctx, x, tp: TensorGroup, sequence_parallel: bool):
         ctx.tp, ctx.sp = tp, sequence_parallel
-        return tp.reduce_scatter_sequence(x) if sequence_parallel else tp.all_reduce(x.clone())
+        if sequence_parallel:
+            return tp.reduce_scatter_sequence(x)
+        if x.is_contiguous() and x._base is None:
+            ctx.mark_dirty(x)
+            return tp.all_reduce(x)
+        return tp.all_reduce(x.clone(memory_format=torch.contiguous_format))
 
     @staticmethod
     def backward(ctx, grad):
@@ -298,27 +305,31 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, tp: TensorGroup, first: int):
+        """Two passes over the logits' slice besides the reductions: exp(logits − max) into one new tensor, then its
+        division by the total in place (the softmax backward needs); the target's shifted logit is gathered alone."""
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         maximum = tp.all_reduce(logits.max(dim=-1).values, maximum=True)
-        shifted = logits - maximum[..., None]
-        exp = shifted.exp()
+        exp = torch.sub(logits, maximum[..., None]).exp_()
         total = tp.all_reduce(exp.sum(dim=-1))
         local = targets - first
         inside = (local >= 0) & (local < logits.shape[-1])
-        picked = shifted.gather(-1, local.clamp(0, logits.shape[-1] - 1)[..., None])[..., 0] * inside
-        picked = tp.all_reduce(picked)
-        softmax = exp / total[..., None]
+        target_logit = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1)[..., None])[..., 0]
+        picked = tp.all_reduce((target_logit - maximum) * inside)
+        softmax = exp.div_(total[..., None])
         ctx.save_for_backward(softmax, local, inside)
         return (total.log() - picked).mean()
 
     @staticmethod
     def backward(ctx, grad):
+        """(softmax − onehot(target)) · grad / rows, as softmax · scale with the scale taken off at the targets: one
+        pass, and the saved softmax left as it is (a second backward, with retain_graph, reads it again)."""
         softmax, local, inside = ctx.saved_tensors
-        grad_logits = softmax.clone()
+        scale = grad / local.numel()
+        grad_logits = softmax * scale
         rows = grad_logits.view(-1, grad_logits.shape[-1])
         flat_local, flat_inside = local.reshape(-1), inside.reshape(-1)
-        rows[torch.arange(rows.shape[0])[flat_inside], flat_local[flat_inside]] -= 1.0
-        return grad_logits * (grad / local.numel()), None, None, None
+        rows[torch.arange(rows.shape[0])[flat_inside], flat_local[flat_inside]] -= scale
+        return grad_logits, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TensorGroup) -> torch.Tensor:
