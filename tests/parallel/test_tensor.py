@@ -83,6 +83,31 @@ def test_tensor_parallel_equals_single_process(world, sequence_parallel):
         assert log["all_reduce"]["calls"] == 2 * layers + 1 + 3  # + embedding, + loss: max, sum, target
 
 
+
+def _loss_twice(rank):
+    logits = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    targets = torch.randint(0, 64, (3, 5), generator=torch.Generator().manual_seed(4))
+    full = logits.clone().requires_grad_(True)
+    reference = torch.nn.functional.cross_entropy(full.reshape(-1, 64), targets.reshape(-1))
+    reference.backward()
+    tp = TensorGroup(rank)
+    local = logits.chunk(tp.size, dim=-1)[tp.index].clone().requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(local, targets, tp)
+    loss.backward(retain_graph=True)
+    first = local.grad.clone()
+    local.grad = None
+    loss.backward()
+    expected = full.grad.chunk(tp.size, dim=-1)[tp.index]
+    return abs(loss.item() - reference.item()), (first - expected).abs().max().item(), (local.grad - first).abs().max().item()
+
+
+def test_vocab_parallel_loss_equals_cross_entropy_and_backs_up_twice():
+    """The loss over vocabulary slices equals F.cross_entropy over the whole logits, its gradient the slice of
+    theirs; a second backward through the same graph (retain_graph) gives the same gradient: backward leaves
+    the saved softmax as it found it."""
+    for loss_error, gradient_error, second_backward in spawn(_loss_twice, 2):
+        assert loss_error < 1e-12 and gradient_error < 1e-12 and second_backward == 0.0
+
 @pytest.mark.parametrize("family", [{"qkv_bias": True}, {"qk_norm": True}])
 @pytest.mark.parametrize("world, sequence_parallel", [(2, False), (2, True), (4, True)])
 def test_tensor_parallel_qwen_equals_single_process(family, world, sequence_parallel):
