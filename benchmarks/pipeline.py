@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from record import ROOT, OtherProcesses, machine, save  # benchmarks/record.py
+from record import ROOT, OtherProcesses, machine, paired_ratio, save  # benchmarks/record.py
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from mlsyslab.comm.launch import spawn
@@ -127,9 +127,7 @@ def main() -> None:
             "ours_best_s": min(slowest["ours"]), "ours_median_s": statistics.median(slowest["ours"]),
             "torch_best_s": min(slowest["torch"]), "torch_median_s": statistics.median(slowest["torch"]),
             "speedup_median": statistics.median(slowest["torch"]) / statistics.median(slowest["ours"]),
-            # each step's two runs back to back see the same machine: the median of their ratios, steadier on a
-            # host whose speed drifts between steps
-            "speedup_paired": statistics.median(t / o for t, o in zip(slowest["torch"], slowest["ours"])),
+            "speedup_paired": paired_ratio(slowest["torch"], slowest["ours"]),
             "bubble_measured": statistics.median(bubbles), "bubble_replayed": statistics.median(replayed),
             "bubble_analytic": schedule.analytic_bubble,
             "first_loss_ours": losses["ours"], "first_loss_torch": losses["torch"], "others_cpu_share": share})
@@ -145,8 +143,7 @@ def print_table(out: dict) -> None:
         print(f"| {r['schedule']} (torch {r['torch_schedule']}) | {r['ours_median_s'] * 1e3:.0f} ms "
               f"({r['ours_best_s'] * 1e3:.0f}) | {r['torch_median_s'] * 1e3:.0f} ms ({r['torch_best_s'] * 1e3:.0f}) | "
               f"{r['speedup_median']:.2f}x | {r['speedup_paired']:.2f}x | {r['bubble_measured']:.1%} | "
-              f"{r['bubble_replayed']:.1%} | "
-              f"{r['bubble_analytic']:.1%} | "
+              f"{r['bubble_replayed']:.1%} | {r['bubble_analytic']:.1%} | "
               f"{r['first_loss_ours']:.6f} / {r['first_loss_torch']:.6f} |")
 
 

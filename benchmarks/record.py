@@ -4,6 +4,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -38,6 +39,12 @@ def save(out: dict, path: Path, print_table) -> None:
     path.write_text(json.dumps(out, indent=2) + "\n")
     print_table(out)
     print(f"\nwrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+
+
+def paired_ratio(theirs: list[float], ours: list[float]) -> float:
+    """The median of step i's theirs / ours over the steps, where each step ran the two back to back: on a host whose
+    speed drifts between steps, steadier than the ratio of the medians."""
+    return statistics.median(t / o for t, o in zip(theirs, ours, strict=True))
 
 
 def _busy_cpu_s() -> float:

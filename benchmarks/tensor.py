@@ -35,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from record import ROOT, OtherProcesses, machine, save  # benchmarks/record.py
+from record import ROOT, OtherProcesses, machine, paired_ratio, save  # benchmarks/record.py
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -176,8 +176,7 @@ def main() -> None:
             row |= {f"{key}_median_s": statistics.median(slowest[who]), f"{key}_best_s": min(slowest[who]),
                     f"first_loss_{key}": ranks[0][name]["first_loss"][who]}
         row["speedup_median"] = row["torch_median_s"] / row["ours_median_s"]
-        # each step runs the three back to back: the median of the steps' own ratios (the machine drifts between steps)
-        row["speedup_paired"] = statistics.median(t / o for t, o in zip(slowest["torch"], slowest["ours"]))
+        row["speedup_paired"] = paired_ratio(slowest["torch"], slowest["ours"])
         row["speedup_gloo_median"] = row["torch_median_s"] / row["ours_gloo_median_s"]
         row["matmul_gflop_per_rank"] = max(r[name]["matmul_flops"] for r in ranks) / 1e9
         row["gemm_gflop_per_s"] = min(r[name]["gemm_flops_per_s"] for r in ranks) / 1e9
@@ -195,8 +194,8 @@ def print_table(out: dict) -> None:
     for r in out["rows"]:
         times = " | ".join(f"{r[f'{KEYS[who]}_median_s'] * 1e3:.1f} ms ({r[f'{KEYS[who]}_best_s'] * 1e3:.1f})" for who in WHO)
         losses = " / ".join(f"{r[f'first_loss_{KEYS[who]}']:.6f}" for who in WHO)
-        paired = f" ({r['speedup_paired']:.2f}x)" if "speedup_paired" in r else ""
-        print(f"| {r['model']}, {r['batch']} x {r['seq']} | {times} | {r['speedup_median']:.2f}x{paired} | "
+        print(f"| {r['model']}, {r['batch']} x {r['seq']} | {times} | {r['speedup_median']:.2f}x "
+              f"({r['speedup_paired']:.2f}x) | "
               f"{r['speedup_gloo_median']:.2f}x | {r['matmul_floor_s'] * 1e3:.1f} ms ({r['matmul_gflop_per_rank']:.1f} GFLOP at "
               f"{r['gemm_gflop_per_s']:.0f} GFLOP/s) | {r['speedup_ceiling']:.2f}x | {losses} |")
 
