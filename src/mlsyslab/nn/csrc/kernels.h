@@ -44,8 +44,6 @@ template <typename T> void paged_decode_units(const PagedDecode<T>& problem, int
 // out [group, head_dim]: the attention of `item`'s `group` query heads, from its two units' partials (one compiled
 // function for every caller, so the numbers do not depend on who merges).
 void merge_parts(const float* partial, int64_t item, int64_t group, int64_t head_dim, float* out);
-// Ask for units [begin, end)'s cached K/V rows, in walk order, up to max_bytes.
-template <typename T> void prefetch_units(const PagedDecode<T>& problem, int64_t begin, int64_t end, int64_t max_bytes);
 void check_paged_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t heads, const at::Tensor& tables,
                        const at::Tensor& lengths, int64_t sequences);
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,

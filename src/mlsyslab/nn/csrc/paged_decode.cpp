@@ -344,19 +344,6 @@ __attribute__((noinline)) void merge_parts(const float* partial, int64_t item, i
   }
 }
 
-template <typename T>
-void prefetch_units(const PagedDecode<T>& problem, int64_t begin, int64_t end, int64_t max_bytes) {
-  int64_t asked = 0;
-  for (const Chunk& chunk : walk_order(problem, begin, end).chunks) {
-    if (asked >= max_bytes) break;
-    const int64_t elements = chunk.rows * problem.head_dim;
-    prefetch(problem.k_cache + chunk.offset, elements);
-    prefetch(problem.v_cache + chunk.offset, elements);
-    asked += 2 * elements * int64_t(sizeof(T));
-  }
-}
-template void prefetch_units(const PagedDecode<float>&, int64_t, int64_t, int64_t);
-template void prefetch_units(const PagedDecode<c10::BFloat16>&, int64_t, int64_t, int64_t);
 template void paged_decode_units(const PagedDecode<float>&, int64_t, int64_t);
 template void paged_decode_units(const PagedDecode<c10::BFloat16>&, int64_t, int64_t);
 

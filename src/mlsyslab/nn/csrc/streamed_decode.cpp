@@ -59,10 +59,6 @@ using namespace mlsyslab;
 // one thread ~3 µs a layer alone.)
 constexpr int64_t kSiluSpan = 64;
 
-// K/V bytes a thread asks for ahead of its attention items: a quarter of a Zen 3 core's L2, so that the
-// qkv product's tiles streaming through beside them do not push them out.
-constexpr int64_t kPrefetchContextBytes = 256 * 1024;
-
 // Thread t's share [begin, end) of n items among `threads`: contiguous, sizes differing by at most one.
 struct Share {
   int64_t begin, end;
@@ -224,10 +220,9 @@ void layer(const Step<T>& s, int64_t l, Scratch<T>& own, int t, int threads) {
   // Units, not items, are shared out: at batch 1 the 3 items of SmolLM2 left one of 2 threads idle for a third of
   // the attention (its 2 items took 811-932 µs a step, the other's 1 item 470); as 6 units each thread walks half.
   const Share units(attention.units(), t, threads);
-  // The thread's units' K/V, asked for now: in flight beside the qkv product's stream, cached by the time the
-  // units read them (rope_and_cache adds only the new token). Measured (bf16, batch 1, ~260 tokens of context):
-  // the thread with two items of the three spent 881 -> 796 µs a step in attention.
-  prefetch_units(attention, units.begin, units.end, kPrefetchContextBytes);
+  // No K/V asked for ahead here: beside the qkv product's stream it sped a Zen 3 thread's attention by 85 µs a step,
+  // but slowed a Sapphire Rapids VM's whole step (2026-12-02, bf16, on and off alternating step by step, medians of
+  // the paired ratios: 1.1% at batch 1, 3.5-3.8% at 16 rows, 1.6% at 32) — the weights' stream lost more.
   norm_rows(s, s.norms[2 * l], own.normed.data(), s.tokens);
   product(s, 4 * l, own.normed.data(), s.tokens, s.hidden, attention_width + 2 * s.kv_heads * d, s.qkv, t, threads);
 #pragma omp barrier
