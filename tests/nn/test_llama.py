@@ -136,6 +136,36 @@ def test_packed_paged_path_equals_training_path():
         torch.testing.assert_close(torch.cat(logits[index]), expected[index], atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_prompts_of_one_length_attend_together_as_each_alone(dtype):
+    """Two prompts of 9 tokens (attended in one batched call), one of 5 and a decode in one step: each prompt's logits
+    are the ones it gets alone in a step, bit for bit."""
+    model = tiny(dtype)
+    block_size, lengths = 4, [9, 5, 9]
+    prompts = [torch.randint(TINY["vocab"], (n,), generator=torch.Generator().manual_seed(n + i)).tolist()
+               for i, n in enumerate(lengths)]
+
+    def step(sequences):  # sequences: [(ids, first position)] -> the step's logits, one tensor per sequence
+        k = torch.zeros(TINY["layers"], TINY["kv_heads"], 16, block_size, TINY["head_dim"], dtype=dtype)
+        v, tables, next_block = torch.zeros_like(k), [], 0
+        for ids, first in sequences:
+            blocks = -(-(first + len(ids)) // block_size)
+            tables.append(list(range(next_block, next_block + blocks)))
+            next_block += blocks
+        slices = [SequenceSlice(len(ids), first + len(ids), table) for (ids, first), table in zip(sequences, tables)]
+        ids = [token for sequence, _ in sequences for token in sequence]
+        positions = [p for sequence, first in sequences for p in range(first, first + len(sequence))]
+        attention = PagedAttention(k, v, slices)
+        with torch.no_grad():
+            out = model.forward_packed(torch.tensor(ids), torch.tensor(positions), attention)
+        return attention, list(out.split([len(sequence) for sequence, _ in sequences]))
+
+    attention, together = step([(prompts[0], 0), (prompts[1], 0), ([7], 3), (prompts[2], 0)])
+    assert attention.whole_prompts == {9: [0, 15], 5: [9]} and attention.prefills
+    for prompt, got in zip(prompts, [together[0], together[1], together[3]]):
+        assert torch.equal(got, step([(prompt, 0)])[1][0])
+
+
 def test_config_from_catalog_spec():
     config = LlamaConfig.from_spec(catalog.model("SmolLM2-135M"), rope_theta=100000.0)
     assert (config.hidden, config.layers, config.heads, config.kv_heads, config.head_dim) == (576, 30, 9, 3, 64)

@@ -19,7 +19,10 @@ layer, `PagedAttention(layer, q, k, v)`
    K/V), block tables padded to the longest context and the padding masked; then each prefill chunk on
    its own through torch's SDPA, causally offset by the context already cached (Sarathi-style chunked
    prefill, Agrawal et al. 2023: a chunk sees every earlier chunk); a chunk that is a whole prompt
-   attends over its own new K/V, with nothing to read back from the cache.
+   attends over its own new K/V, with nothing to read back from the cache, and whole prompts of one length
+   attend in one batched call (16 prompts of 128 tokens, bf16 on a Sapphire Rapids VM: 2.56 ms a layer against
+   3.10 one by one, medians of 40 alternating rounds, 1.04-1.49x paired; the same numbers, as torch's CPU flash
+   attention computes each (prompt, head, query block) on its own).
 
 Cost per layer: reads each sequence's cached K/V once, 2·context·kv_heads·head_dim·dtype bytes; the
 gathered path copies it first (three passes over the bytes instead of one: at 16-32 sequences the
@@ -61,7 +64,8 @@ class PagedAttention:
         self.k_cache, self.v_cache, self.rows_extend_sequences = k_cache, v_cache, rows_extend_sequences
         block_size = k_cache.shape[3]
         device = k_cache.device
-        slots, decode_rows, decode_tables, decode_lens, self.prefills = [], [], [], [], []
+        slots, decode_rows, decode_tables, decode_lens, self.chunks = [], [], [], [], []
+        self.whole_prompts: dict[int, list[int]] = {}  # length -> the packed starts of the whole prompts that long
         start = 0
         for seq in sequences:
             first = seq.context_len - seq.query_len
@@ -72,12 +76,11 @@ class PagedAttention:
                 decode_rows.append(start)
                 decode_tables.append(seq.block_table[: -(-seq.context_len // block_size)])
                 decode_lens.append(seq.context_len)
-            else:
-                rows = None  # a whole prompt reads nothing back from the cache
-                if seq.query_len < seq.context_len:
-                    blocks = torch.tensor([seq.block_table[: -(-seq.context_len // block_size)]], device=device)
-                    rows = cache_rows(blocks, k_cache.shape)
-                self.prefills.append((start, seq.query_len, seq.context_len, rows))
+            elif seq.query_len == seq.context_len:  # a whole prompt reads nothing back from the cache
+                self.whole_prompts.setdefault(seq.query_len, []).append(start)
+            else:  # a later chunk of a prompt: it reads the chunks before it from the cache
+                blocks = torch.tensor([seq.block_table[: -(-seq.context_len // block_size)]], device=device)
+                self.chunks.append((start, seq.query_len, seq.context_len, cache_rows(blocks, k_cache.shape)))
             start += seq.query_len
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
         self.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
@@ -88,6 +91,11 @@ class PagedAttention:
             self.decode_lengths = torch.tensor(decode_lens, dtype=torch.long, device=device)
         elif self.decode_tables is not None:
             self.decode_rows_in_cache = cache_rows(self.decode_tables, k_cache.shape)
+
+    @property
+    def prefills(self) -> bool:
+        """Whether the step has prefill tokens (a whole prompt or a chunk of one)."""
+        return bool(self.whole_prompts or self.chunks)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [1, T, heads, d], k/v [1, T, kv_heads, d] (packed) -> [1, T, heads, d]."""
@@ -100,16 +108,18 @@ class PagedAttention:
         out = torch.empty_like(q[0])
         if len(self.decode_rows):
             out[self.decode_rows] = self._decode(q[0, self.decode_rows], k_cache, v_cache)
-        for start, query_len, context_len, rows in self.prefills:
+        for length, starts in self.whole_prompts.items():  # keys and values are this step's: no cache to read
+            query, keys, values = (torch.stack([x[0, start:start + length] for start in starts]).transpose(1, 2)
+                                   for x in (q, k, v))  # [prompts, heads, length, d]
+            attended = attention(query, keys, values, None, causal=True).transpose(1, 2).to(out.dtype)
+            for prompt, start in enumerate(starts):
+                out[start:start + length] = attended[prompt]
+        for start, query_len, context_len, rows in self.chunks:
             query = q[:, start:start + query_len].transpose(1, 2)  # [1, heads, query_len, d]
-            if query_len == context_len:  # a whole prompt: its keys are this step's, no cache to read
-                keys, values = (new[:, start:start + query_len].transpose(1, 2) for new in (k, v))
-                mask = None
-            else:
-                keys = gather_blocks(k_cache, rows, 1, context_len).transpose(0, 1)
-                values = gather_blocks(v_cache, rows, 1, context_len).transpose(0, 1)
-                mask = chunk_causal_mask(query_len, context_len, q.device)
-            attended = attention(query, keys, values, mask, causal=mask is None)
+            keys = gather_blocks(k_cache, rows, 1, context_len).transpose(0, 1)
+            values = gather_blocks(v_cache, rows, 1, context_len).transpose(0, 1)
+            mask = chunk_causal_mask(query_len, context_len, q.device)
+            attended = attention(query, keys, values, mask, causal=False)
             out[start:start + query_len] = attended[0].transpose(0, 1).to(out.dtype)
         return out[None]
 
