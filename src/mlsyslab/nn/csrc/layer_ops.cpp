@@ -19,6 +19,7 @@
 #include "kernels.h"
 #include "vec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -66,11 +67,13 @@ void rms_norm_row(const T* x, const T* w, T* out, int64_t hidden, float eps) {
   for (int64_t i = 0; i < hidden; ++i) out[i] = narrow<T>(widen(x[i]) * inverse * widen(w[i]));
 }
 
+// e^-g is capped at e^88 (finite): under -ffast-math the compiler divides by a reciprocal estimate and a Newton step,
+// which gave NaN where 1 + e^-g was inf (a gate under -88.7); capped, such a gate gives -g·e^-88 (~1e-36) for torch's -0.
 template <typename T>
 void silu_and_mul_span(const T* __restrict gate, const T* __restrict up, T* __restrict out, int64_t width) {
   for (int64_t i = 0; i < width; ++i) {
     const float g = widen(gate[i]);
-    out[i] = narrow<T>(rounded<T>(g / (1.f + std::exp(-g))) * widen(up[i]));
+    out[i] = narrow<T>(rounded<T>(g / (1.f + std::exp(std::min(-g, 88.f)))) * widen(up[i]));
   }
 }
 
