@@ -11,7 +11,8 @@ Servers, one at a time, each in processes of its own on a free local port (start
 first healthy answer) — or with `--interleave` all of a round's servers up at once, started one after another, and
 each load run on them back to back, so that the loads a ratio compares run seconds apart, not minutes (this
 machine's speed drifts by a third over minutes; an idle server here takes ~0.2% of a core, vLLM's as ours, and each
-row records the other processes' share) — load-tested by `serve.loadgen` from this process: streamed /v1/completions,
+row records the other processes' share); each load first waits, up to 30 s, until other processes keep under a tenth
+of the cores busy (`settle`) — load-tested by `serve.loadgen` from this process: streamed /v1/completions,
 128-token prompts of random ordinary tokens, 64 output tokens (EOS ignored), at 1, 16 and 32
 requests in flight (closed loop, 2 x in-flight requests, at least 4):
 - ours: `mlsys serve` (the engine in a process of its own, every core), fp32 and bf16 weights;
@@ -66,7 +67,7 @@ from mlsyslab.nn.pretrained import default_gguf_path, load_pretrained, resolve_f
 from mlsyslab.nn.tokenizer import Tokenizer
 from mlsyslab.serve.config import EngineConfig, compute_dtype
 from mlsyslab.serve.engine import LLM
-from mlsyslab.serve.loadgen import Workload, run_benchmark
+from mlsyslab.serve.loadgen import Workload, other_processes_busy_cores, run_benchmark
 from mlsyslab.serve.sampling_params import SamplingParams
 
 RESULTS = ROOT / "benchmarks" / "results" / "serve.json"
@@ -177,6 +178,7 @@ def load_test(server: Server, url: str, startup_s: float, args, twins: dict, loa
     for load in loads:
         if server.loads and load not in server.loads:
             continue
+        settled_s = settle()
         workload = Workload(requests=max(4, 2 * load), concurrency=load, prompt_tokens=args.prompt_tokens,
                             output_tokens=args.output_tokens, seed=load)
         if dtype is not None and load == 1:  # a request at a time, each between two readings (module docstring)
@@ -188,6 +190,7 @@ def load_test(server: Server, url: str, startup_s: float, args, twins: dict, loa
         else:
             report, roofline = run_benchmark(url, "default", workload, as_text=as_text).to_dict(), {}
         row = {"system": server.label, "where": "HTTP", "concurrency": load, "startup_s": startup_s,
+               "settled_s": settled_s,
                **{k: report[k] for k in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
                                          "tpot_p99_s", "completed", "failed", "errors")},
                "other_processes_cpu_share": report["busy_cores_before"] / report["cores"], **roofline}
@@ -196,6 +199,15 @@ def load_test(server: Server, url: str, startup_s: float, args, twins: dict, loa
         rows.append(row)
         print(json.dumps({k: row[k] for k in ("system", "concurrency", "output_tokens_per_s")}), file=sys.stderr)
     return rows
+
+
+def settle(most_s: float = 30.0) -> float:
+    """Seconds waited (up to `most_s`) until other processes keep under a tenth of the cores busy: with `--interleave`
+    the server that ran the last load may still be at work (vLLM's processes kept a core busy a second after theirs)."""
+    start = time.perf_counter()
+    while other_processes_busy_cores(0.5) > 0.1 * (os.cpu_count() or 1) and time.perf_counter() - start < most_s:
+        pass
+    return time.perf_counter() - start
 
 
 @contextlib.contextmanager
