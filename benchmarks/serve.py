@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -173,7 +174,7 @@ def main() -> None:
 def load_test(server: Server, url: str, startup_s: float, args, twins: dict, loads: list[int]) -> list[dict]:
     """Each of `loads` the server takes, against the running `server` at `url`; one row per load."""
     rows = []
-    as_text = Tokenizer(resolve_folder("default")).decode if server.text_prompts else None
+    as_text = text_of_ids() if server.text_prompts else None
     dtype = server.label.split()[-1] if server.label.startswith("ours") else None
     for load in loads:
         if server.loads and load not in server.loads:
@@ -199,6 +200,12 @@ def load_test(server: Server, url: str, startup_s: float, args, twins: dict, loa
         rows.append(row)
         print(json.dumps({k: row[k] for k in ("system", "concurrency", "output_tokens_per_s")}), file=sys.stderr)
     return rows
+
+
+@functools.cache
+def text_of_ids():
+    """The default model's decode (token ids -> text), loaded once: a server that takes no token ids gets text."""
+    return Tokenizer(resolve_folder("default")).decode
 
 
 def settle(most_s: float = 30.0) -> float:
