@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "kernels.h"
 #include "vec.h"
@@ -53,18 +54,38 @@ constexpr int64_t kTileBytes = 64;                   // a tile row: 32 bf16, or 
 constexpr int64_t kStepsPerTile = kAmxRows;          // input pairs of an A row / rows of a B tile
 // How far ahead of its tile loads a block streaming a panel from memory asks for it (prefetcht0). Tile loads alone
 // kept 0.56 of a sum's bandwidth at 1 row; 2 KB ahead 0.78-0.79 (= the vector kernel's), 1 KB 0.76, 4 KB 0.79,
-// T1 / T2 hints the same, NTA 0.57 (SmolLM2's 121 matrices, variants alternating in one process, 2026-12-01).
+// T1 / T2 hints the same, NTA 0.57 (SmolLM2's 121 matrices, variants alternating in one process, 2026-12-01; with
+// tiles of the call's rows, below, 3-6 KB ahead were 0.99-1.03x 2 KB's, 1 KB 0.94x, 2026-12-02).
 constexpr int64_t kAhead = 2048;
 
-// Palette 1: tile 0 the A tile, 1-3 the B tiles, 4-6 the C tiles, each 16 rows of 64 bytes (Intel SDM, LDTILECFG).
+// Palette 1: tile 0 the A tile, 1-3 the B tiles, 4-6 the C tiles, rows of 64 bytes (Intel SDM, LDTILECFG). The B
+// tiles have 16 rows (input pairs); the A and C tiles as many rows as a block of x has — all 16 for calls over 16
+// rows (the last block padded with zero rows), the call's own rows under 16. TDPBF16PS's work is the A tile's rows:
+// at 1 row on 16-row tiles a block computed 15 zero rows, and with 1-row tiles a pass over SmolLM2's 121 matrices at
+// 1 row streamed 1.08x faster (paired medians over 40 passes; 1.04-1.05x at 2-8 rows, 1.00x at 12) and the batch-1
+// bf16 decode step 1.06x (TPOT 21.6 against 22.7 ms, greedy tokens the same; 2026-12-02). Each row's sums are the
+// same either way (a row of C depends only on its row of A).
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t bytes_per_row[16] = {};
   uint8_t rows[16] = {};
-  TileConfig() {
-    for (int tile = 0; tile < 7; ++tile) bytes_per_row[tile] = kTileBytes, rows[tile] = kAmxRows;
+  explicit TileConfig(int64_t block_rows) {
+    for (int tile = 0; tile < 7; ++tile) {
+      bytes_per_row[tile] = kTileBytes;
+      rows[tile] = tile >= 1 && tile <= 3 ? kStepsPerTile : block_rows;
+    }
   }
 };
+
+// The configuration for calls over `rows` rows of x.
+const TileConfig& tile_config(int64_t rows) {
+  static const auto configs = [] {
+    std::vector<TileConfig> by_rows;
+    for (int64_t block_rows = 0; block_rows <= kAmxRows; ++block_rows) by_rows.emplace_back(block_rows);
+    return by_rows;
+  }();
+  return configs[std::min(kAmxRows, rows)];
+}
 
 bool tiles_granted() {
   if (const char* flag = std::getenv("MLSYS_AMX"); flag != nullptr && std::strcmp(flag, "0") == 0) return false;
@@ -109,11 +130,10 @@ bool amx_ready() {
 }
 
 void amx_panel_products(const StreamedProduct<Bf16>& p, int64_t begin, int64_t end) {
-  static const TileConfig config;
   const Bf16* x = static_cast<const Bf16*>(p.x);
   const int64_t steps = p.chunks, whole = steps / kStepsPerTile * kStepsPerTile, row_bytes = steps * 4;
   alignas(64) float sums[kAmxRows * kPanel];
-  _tile_loadconfig(&config);
+  _tile_loadconfig(&tile_config(p.rows));
   for (int64_t panel = begin; panel < end; ++panel) {
     const char* weights = reinterpret_cast<const char*>(p.tiles + panel * steps * kPanel * 2);
     const int64_t first = panel * kPanel, columns = std::min(kPanel, p.out - first);
