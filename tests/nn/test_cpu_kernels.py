@@ -182,6 +182,17 @@ def test_streamed_linear_rounds_the_exact_product_once(dtype, rows, out, inputs)
     assert torch.equal(alone, ops.streamed_linear(x, tiles, out, residual))  # a row's result does not depend on the batch
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_streamed_linear_of_no_rows_is_empty(dtype):
+    """A product of no rows is an empty [0, out] (with and without the residual), not a fault: AMX tiles are
+    configured with the call's rows, and tiles of 0 rows are no valid configuration."""
+    ops = cpu_kernels.load()
+    tiles = ops.stream_pack(torch.randn(96, 64).to(dtype))
+    x, residual = torch.empty(0, 64, dtype=dtype), torch.empty(0, 96, dtype=dtype)
+    for y in (ops.streamed_linear(x, tiles, 96), ops.streamed_linear(x, tiles, 96, residual)):
+        assert y.shape == (0, 96) and y.dtype == dtype
+
+
 AMX_CASES = [(1, 576, 576), (16, 96, 1536), (17, 960, 64), (40, 100, 77)]  # rows, out, inputs
 
 

@@ -77,14 +77,14 @@ struct alignas(64) TileConfig {
   }
 };
 
-// The configuration for calls over `rows` rows of x.
+// The configuration for calls over `rows` (>= 1) rows of x.
 const TileConfig& tile_config(int64_t rows) {
   static const auto configs = [] {
     std::vector<TileConfig> by_rows;
-    for (int64_t block_rows = 0; block_rows <= kAmxRows; ++block_rows) by_rows.emplace_back(block_rows);
+    for (int64_t block_rows = 1; block_rows <= kAmxRows; ++block_rows) by_rows.emplace_back(block_rows);
     return by_rows;
   }();
-  return configs[std::min(kAmxRows, rows)];
+  return configs[std::min(kAmxRows, rows) - 1];
 }
 
 bool tiles_granted() {
@@ -130,6 +130,7 @@ bool amx_ready() {
 }
 
 void amx_panel_products(const StreamedProduct<Bf16>& p, int64_t begin, int64_t end) {
+  if (p.rows == 0 || begin >= end) return;  // nothing to compute (and tiles of 0 rows are no valid configuration)
   const Bf16* x = static_cast<const Bf16*>(p.x);
   const int64_t steps = p.chunks, whole = steps / kStepsPerTile * kStepsPerTile, row_bytes = steps * 4;
   alignas(64) float sums[kAmxRows * kPanel];
