@@ -4,10 +4,11 @@
 // fp32 sums (C): 16,384 multiply-adds an instruction, where VDPBF16PS does 32 (Intel SDM, TDPBF16PS; Intel
 // Optimization Reference Manual, ch. 20). The panel layout is already AMX's B layout: a step of a panel is one input
 // pair of its 48 outputs (192 bytes), so 16 consecutive steps read as three B tiles of 64-byte rows at a stride of 192
-// bytes — the same tiles, the same sequential stream, no second copy. x's rows, padded to whole blocks of 16 rows with
-// zeros (`panel_input`), are the A tiles. Per panel and block of 16 rows: three C tiles (48 outputs), and for each 16
-// steps one A tile and three B tiles loaded and three TDPBF16PS; the steps past the last whole 16 (inputs not a
-// multiple of 32) are added by VDPBF16PS, as panel_linear.cpp does every step.
+// bytes — the same tiles, the same sequential stream, no second copy. x's rows are the A tiles: blocks of 16 rows, the
+// last one padded with zero rows (`panel_input`), or, in calls under 16 rows, one block of the call's rows. Per panel
+// and block: three C tiles (48 outputs), and for each 16 steps one A tile and three B tiles loaded and three
+// TDPBF16PS; the steps past the last whole 16 (inputs not a multiple of 32) are added by VDPBF16PS, as
+// panel_linear.cpp does every step.
 //
 // Sums: TDPBF16PS adds each output's input pairs in input order, in fp32 (round to nearest even, denormals flushed,
 // as VDPBF16PS), so outputs agree with the vector kernel's to the last bit but for a few in 10^4 (its order within a

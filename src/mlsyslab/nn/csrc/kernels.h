@@ -96,7 +96,7 @@ template <typename T, typename X>
 const T* panel_input(const X* x, int64_t rows, int64_t in, int64_t row_stride, int64_t steps);
 template <typename T> void panel_products(const StreamedProduct<T>& product, int64_t begin, int64_t end);
 // amx_linear.cpp: the bf16 panel products on AMX tiles, where the CPU has them and the OS grants them (`amx_ready`);
-// x's rows then come padded with zeros to whole blocks of kAmxRows (`panel_input`).
+// x's rows then come padded with zeros to whole blocks of kAmxRows (`panel_input`) in calls over kAmxRows rows.
 constexpr int64_t kAmxRows = 16;
 bool amx_ready();
 void amx_panel_products(const StreamedProduct<c10::BFloat16>& product, int64_t begin, int64_t end);
