@@ -98,6 +98,9 @@ template <typename T> void panel_products(const StreamedProduct<T>& product, int
 // amx_linear.cpp: the bf16 panel products on AMX tiles, where the CPU has them and the OS grants them (`amx_ready`);
 // x's rows then come padded with zeros to whole blocks of kAmxRows (`panel_input`) in calls over kAmxRows rows.
 constexpr int64_t kAmxRows = 16;
+// Rows of x a call's A tiles read: a call over kAmxRows rows runs 16-row blocks, the last padded with zero rows; a call
+// of kAmxRows or fewer runs one block on tiles of its own rows, and reads no padding.
+inline int64_t amx_buffer_rows(int64_t rows) { return rows > kAmxRows ? (rows + kAmxRows - 1) / kAmxRows * kAmxRows : rows; }
 bool amx_ready();
 void amx_panel_products(const StreamedProduct<c10::BFloat16>& product, int64_t begin, int64_t end);
 

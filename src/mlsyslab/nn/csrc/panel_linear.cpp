@@ -52,12 +52,11 @@ template <typename T, typename X>
 const T* panel_input(const X* x, int64_t rows, int64_t in, int64_t row_stride, int64_t steps) {
   thread_local std::vector<T> buffer;
   const int64_t padded = steps * kPanelStep<T>, align = 64 / sizeof(T);  // rows on cache lines: tile loads split none
-  // Calls over 16 rows on AMX tiles run their last block on 16-row tiles: its rows past the call's are zeros. Calls of
-  // 16 rows or fewer configure tiles of their own rows (amx_linear.cpp) and get no zero rows: filling 15 of them
-  // wrote up to 46 KB a call, most of L1, and the bf16 batch-1 step got 1.044-1.046x faster without (TPOT 16.35
-  // against 17.04 ms, 14 rounds alternating; 1.016x at 4 rows; 2026-12-02).
-  const bool padded_blocks = std::is_same_v<T, c10::BFloat16> && amx_ready() && rows > kAmxRows;
-  const int64_t size = (padded_blocks ? (rows + kAmxRows - 1) / kAmxRows * kAmxRows : rows) * padded;
+  // On AMX tiles the zero rows `amx_buffer_rows` asks for: none in calls of 16 rows or fewer (filling 15 of them wrote
+  // up to 46 KB a call, most of L1, and the bf16 batch-1 step got 1.044-1.046x faster without: TPOT 16.35 against
+  // 17.04 ms, 14 rounds alternating; 1.016x at 4 rows; 2026-12-02).
+  const bool tiles = std::is_same_v<T, c10::BFloat16> && amx_ready();
+  const int64_t size = (tiles ? amx_buffer_rows(rows) : rows) * padded;
   buffer.resize(size + align);
   T* start = buffer.data() + (align - reinterpret_cast<uintptr_t>(buffer.data()) / sizeof(T) % align) % align;
   std::fill(start + rows * padded, start + size, T(0.f));  // the A tiles' rows past the last
