@@ -67,13 +67,30 @@ void rms_norm_row(const T* x, const T* w, T* out, int64_t hidden, float eps) {
   for (int64_t i = 0; i < hidden; ++i) out[i] = narrow<T>(widen(x[i]) * inverse * widen(w[i]));
 }
 
-// e^-g is capped at e^88 (finite): under -ffast-math the compiler divides by a reciprocal estimate and a Newton step,
-// which gave NaN where 1 + e^-g was inf (a gate under -88.7); capped, such a gate gives -g·e^-88 (~1e-36) for torch's -0.
+// A vector at a time, in vec.h's lanes and exp. Left to the compiler, the scalar loop came out in 8-lane halves on
+// AVX-512 with a libmvec call and bf16 conversions through a permute: 0.72 G elements/s on 2 threads over a 2,048-token
+// prefill's [2048, 1536] (SmolLM2), 6.5% of the prefill's time on a Sapphire Rapids VM. This way, alternating with
+// that loop in one process (2026-12-02): 1.37-1.49x as fast at 64, 256 and 2,048 rows on 1 and 2 threads, and in bf16
+// bit-equal to torch's F.silu(gate) * up on those gates (randn · 3), which that loop was not; the engine's steps
+// moved within the host's noise (1.01x and 1.02x at 16 and 32 in flight, 64 tokens each). The last width % kLanes
+// elements go through the same vector code from a padded copy, so every element is computed by the same instructions
+// wherever a span starts (spans start at multiples of kLanes). A gate under -80 gives 0 (torch: -0 under -88.7, under
+// 1e-33 in magnitude between), where vec.h's exp stops at e^80.
 template <typename T>
 void silu_and_mul_span(const T* __restrict gate, const T* __restrict up, T* __restrict out, int64_t width) {
-  for (int64_t i = 0; i < width; ++i) {
-    const float g = widen(gate[i]);
-    out[i] = narrow<T>(rounded<T>(g / (1.f + std::exp(std::min(-g, 88.f)))) * widen(up[i]));
+  const auto lanes = [](const T* __restrict g, const T* __restrict u, T* __restrict o) {
+    const Floats gates = load_lanes(g);
+    const Floats silu = gates < -80.f ? broadcast(0.f) : gates / (1.f + exp(-gates));
+    store_lanes(o, rounded_lanes<T>(silu) * load_lanes(u));
+  };
+  int64_t i = 0;
+  for (; i + kLanes <= width; i += kLanes) lanes(gate + i, up + i, out + i);
+  if (i < width) {
+    T g[kLanes] = {}, u[kLanes] = {}, o[kLanes];
+    std::copy(gate + i, gate + width, g);
+    std::copy(up + i, up + width, u);
+    lanes(g, u, o);
+    std::copy(o, o + (width - i), out + i);
   }
 }
 

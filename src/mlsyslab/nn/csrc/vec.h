@@ -59,6 +59,44 @@ constexpr Ints kLaneIndex = {0, 1, 2, 3, 4, 5, 6, 7};
 
 inline Floats broadcast(float x) { return Floats{} + x; }
 
+// kLanes values of T as one fp32 vector, and back: bf16 rounded to nearest even, NaN kept NaN, as `narrow` rounds a
+// value at a time (element-wise lane assignments compiled to one insert or extract per lane).
+typedef uint16_t Halves __attribute__((vector_size(kLanes * 2)));
+typedef Lanes<kLanes>::Words Words;
+inline Floats load_lanes(const float* p) { Floats v; std::memcpy(&v, p, sizeof v); return v; }
+inline Floats load_lanes(const c10::BFloat16* p) {
+#if defined(__AVX512F__)  // one widening move (the generic conversion compiled to two halves and an insert)
+  return Floats(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(p))), 16)));
+#else
+  Halves halves; std::memcpy(&halves, p, sizeof halves);
+  const Words words = __builtin_convertvector(halves, Words) << 16;
+  Floats v; std::memcpy(&v, &words, sizeof v); return v;
+#endif
+}
+inline Words bf16_words(Floats v) {  // each lane's bf16 bits, in the low half of a 32-bit lane
+  Words bits; std::memcpy(&bits, &v, sizeof bits);
+  const Words rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return (bits & 0x7FFFFFFFu) > 0x7F800000u ? Words{} + 0x7FC0u : rounded;
+}
+inline void store_lanes(float* p, Floats v) { std::memcpy(p, &v, sizeof v); }
+inline void store_lanes(c10::BFloat16* p, Floats v) {
+#if defined(__AVX512F__)  // one narrowing move (the generic conversion compiled to a two-table permute)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(__m512i(bf16_words(v))));
+#else
+  const Halves halves = __builtin_convertvector(bf16_words(v), Halves);
+  std::memcpy(p, &halves, sizeof halves);
+#endif
+}
+template <typename T> inline Floats rounded_lanes(Floats v) {  // as `rounded<T>` in each lane
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    const Words words = bf16_words(v) << 16;
+    Floats w; std::memcpy(&w, &words, sizeof w); return w;
+  }
+}
+
 // a·b + c as one instruction. Written `c += a·b`, -ffast-math regroups a tile row's two products into
 // a multiply, an FMA and an add (three floating-point operations for two FMAs' work); the intrinsic
 // is not regrouped. On Zen 3, L3-resident bf16 tiles went from 45.5-46.6 to 48.9-50.4 GB/s on one thread.
@@ -81,7 +119,6 @@ inline void load_pair(const float* p, Floats& first, Floats& second) {
   std::memcpy(&second, p + kLanes, sizeof second);
 }
 inline void load_pair(const c10::BFloat16* p, Floats& even, Floats& odd) {
-  typedef Lanes<kLanes>::Words Words;
   Words words; std::memcpy(&words, p, sizeof words);
   const Words low = words << 16, high = words & 0xFFFF0000u;
   std::memcpy(&even, &low, sizeof even);
