@@ -63,6 +63,10 @@ inline Floats broadcast(float x) { return Floats{} + x; }
 // value at a time (element-wise lane assignments compiled to one insert or extract per lane).
 typedef uint16_t Halves __attribute__((vector_size(kLanes * 2)));
 typedef Lanes<kLanes>::Words Words;
+inline Floats from_bf16_words(Words words) {  // lanes holding bf16 bits in their low halves, as fp32
+  words <<= 16;
+  Floats v; std::memcpy(&v, &words, sizeof v); return v;
+}
 inline Floats load_lanes(const float* p) { Floats v; std::memcpy(&v, p, sizeof v); return v; }
 inline Floats load_lanes(const c10::BFloat16* p) {
 #if defined(__AVX512F__)  // one widening move (the generic conversion compiled to two halves and an insert)
@@ -70,11 +74,10 @@ inline Floats load_lanes(const c10::BFloat16* p) {
       reinterpret_cast<const __m256i*>(p))), 16)));
 #else
   Halves halves; std::memcpy(&halves, p, sizeof halves);
-  const Words words = __builtin_convertvector(halves, Words) << 16;
-  Floats v; std::memcpy(&v, &words, sizeof v); return v;
+  return from_bf16_words(__builtin_convertvector(halves, Words));
 #endif
 }
-inline Words bf16_words(Floats v) {  // each lane's bf16 bits, in the low half of a 32-bit lane
+inline Words bf16_words(Floats v) {  // each lane's bf16 bits (as `bf16_bits`), in the low half of a 32-bit lane
   Words bits; std::memcpy(&bits, &v, sizeof bits);
   const Words rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
   return (bits & 0x7FFFFFFFu) > 0x7F800000u ? Words{} + 0x7FC0u : rounded;
@@ -89,12 +92,8 @@ inline void store_lanes(c10::BFloat16* p, Floats v) {
 #endif
 }
 template <typename T> inline Floats rounded_lanes(Floats v) {  // as `rounded<T>` in each lane
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    const Words words = bf16_words(v) << 16;
-    Floats w; std::memcpy(&w, &words, sizeof w); return w;
-  }
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return from_bf16_words(bf16_words(v));
 }
 
 // a·b + c as one instruction. Written `c += a·b`, -ffast-math regroups a tile row's two products into
