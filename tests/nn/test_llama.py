@@ -138,8 +138,8 @@ def test_packed_paged_path_equals_training_path():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_whole_prompts_of_one_length_attend_together_as_each_alone(dtype):
-    """Two prompts of 9 tokens (attended in one batched call), one of 5 and a decode in one step: each prompt's logits
-    are the ones it gets alone in a step, bit for bit."""
+    """Two prompts of 9 tokens (attended in one batched call: apart, and back to back as views of the step's rows), one
+    of 5 and a decode in one step: each prompt's logits are the ones it gets alone in a step, bit for bit."""
     model = tiny(dtype)
     block_size, lengths = 4, [9, 5, 9]
     prompts = [torch.randint(TINY["vocab"], (n,), generator=torch.Generator().manual_seed(n + i)).tolist()
@@ -160,10 +160,15 @@ def test_whole_prompts_of_one_length_attend_together_as_each_alone(dtype):
             out = model.forward_packed(torch.tensor(ids), torch.tensor(positions), attention)
         return attention, list(out.split([len(sequence) for sequence, _ in sequences]))
 
+    alone = [step([(prompt, 0)])[1][0] for prompt in prompts]
     attention, together = step([(prompts[0], 0), (prompts[1], 0), ([7], 3), (prompts[2], 0)])
     assert attention.whole_prompts == {9: [0, 15], 5: [9]} and attention.prefills
-    for prompt, got in zip(prompts, [together[0], together[1], together[3]]):
-        assert torch.equal(got, step([(prompt, 0)])[1][0])
+    for expected, got in zip(alone, [together[0], together[1], together[3]]):
+        assert torch.equal(got, expected)
+    attention, together = step([([7], 3), (prompts[0], 0), (prompts[2], 0), (prompts[1], 0)])
+    assert attention.whole_prompts == {9: [1, 10], 5: [19]}
+    for expected, got in zip(alone, [together[1], together[3], together[2]]):
+        assert torch.equal(got, expected)
 
 
 def test_config_from_catalog_spec():

@@ -109,11 +109,13 @@ class PagedAttention:
         if len(self.decode_rows):
             out[self.decode_rows] = self._decode(q[0, self.decode_rows], k_cache, v_cache)
         for length, starts in self.whole_prompts.items():  # keys and values are this step's: no cache to read
-            query, keys, values = (torch.stack([x[0, start:start + length] for start in starts]).transpose(1, 2)
-                                   for x in (q, k, v))  # [prompts, heads, length, d]
-            attended = attention(query, keys, values, None, causal=True).transpose(1, 2).to(out.dtype)
-            for prompt, start in enumerate(starts):
-                out[start:start + length] = attended[prompt]
+            query, keys, values = (prompt_rows(x[0], starts, length).transpose(1, 2) for x in (q, k, v))
+            attended = attention(query, keys, values, None, causal=True).transpose(1, 2)  # [prompts, length, heads, d]
+            if back_to_back(starts, length):
+                out[starts[0]:starts[0] + len(starts) * length].view(attended.shape).copy_(attended)
+            else:
+                for prompt, start in enumerate(starts):
+                    out[start:start + length] = attended[prompt]
         for start, query_len, context_len, rows in self.chunks:
             query = q[:, start:start + query_len].transpose(1, 2)  # [1, heads, query_len, d]
             keys = gather_blocks(k_cache, rows, 1, context_len).transpose(0, 1)
@@ -192,6 +194,21 @@ def attention(query, keys, values, mask, causal: bool) -> torch.Tensor:
     compute = torch.float32 if widen else query.dtype  # (an fp32 cache of a bf16 model holds bf16 values)
     query, keys, values = query.to(compute), keys.to(compute), values.to(compute)
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
+
+
+def back_to_back(starts: list[int], length: int) -> bool:
+    """Whether prompts of `length` tokens at these packed starts sit one after another (a step of new prompts)."""
+    return starts == list(range(starts[0], starts[0] + len(starts) * length, length))
+
+
+def prompt_rows(x: torch.Tensor, starts: list[int], length: int) -> torch.Tensor:
+    """x [T, heads, d] packed -> the prompts of `length` tokens at `starts`, [prompts, length, heads, d]: a view of x when
+    they sit back to back, else a copy. The view spares a layer's 16-prompt prefill the 48 slices, 3 stacks and 16
+    scatters of a copy (16 x 128 tokens, bf16, Sapphire Rapids VM, 2026-12-02: 4.1 against 6.4 ms a layer, attention
+    included; whole 16 x 128 and 32 x 128 prefills 1.04x and 1.025x, medians of 30 and 20 alternating runs)."""
+    if back_to_back(starts, length):
+        return x[starts[0]:starts[0] + len(starts) * length].view(len(starts), length, *x.shape[1:])
+    return torch.stack([x[start:start + length] for start in starts])
 
 
 def cache_rows(tables: torch.Tensor, cache_shape) -> torch.Tensor:
