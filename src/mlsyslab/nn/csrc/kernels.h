@@ -16,10 +16,10 @@ void check_float_or_bf16(const at::Tensor& t, const char* name);  // layer_ops.c
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-// One row of each (T: float or c10::BFloat16); `rotated` is head_dim floats of scratch.
+// One row of each (T: float or c10::BFloat16).
 template <typename T> void rms_norm_row(const T* x, const T* weight, T* out, int64_t hidden, float eps);
 template <typename T> void silu_and_mul_span(const T* gate, const T* up, T* out, int64_t width);
-template <typename T> void rope_head(T* head, const T* cos, const T* sin, int64_t head_dim, float* rotated);
+template <typename T> void rope_head(T* head, const T* cos, const T* sin, int64_t head_dim);
 
 // paged_decode.cpp: decode attention over the paged cache. An item is one (sequence, KV head); its context is
 // walked as two units, the blocks before the middle block boundary and the rest (which holds the new token),

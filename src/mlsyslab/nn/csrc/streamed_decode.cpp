@@ -109,15 +109,15 @@ struct Step {
   }
 };
 
-// A thread's own buffers: its rows of rms_norm(h), rope's scratch, one item's merged attention output (fp32) and
+// A thread's own buffers: its rows of rms_norm(h), one item's merged attention output (fp32) and
 // every item's, rounded as `attended.to(dtype)`, and gate|up for the columns of silu(gate)·up it computes.
 template <typename T>
 struct Scratch {
   std::vector<T> normed;
-  std::vector<float> rotated, merged;
+  std::vector<float> merged;
   std::vector<T> attended, gates;
   explicit Scratch(const Step<T>& s)
-      : normed(std::max(s.tokens, s.logit_rows) * s.hidden), rotated(s.head_dim), merged(s.heads / s.kv_heads * s.head_dim),
+      : normed(std::max(s.tokens, s.logit_rows) * s.hidden), merged(s.heads / s.kv_heads * s.head_dim),
         attended(s.tokens * s.heads * s.head_dim), gates(s.tokens * 2 * s.ffn) {}
 };
 
@@ -180,7 +180,7 @@ void add_qkv_bias(const Step<T>& s, int64_t layer, int64_t offset, const T* from
 // an item's two units reads its own copy, written by the thread that runs it). Roped from a copy: the qkv row
 // stays as the product left it while the other unit's thread may read it.
 template <typename T>
-void roped_queries(const Step<T>& s, int64_t layer, int64_t item, int64_t part_offset, float* rotated) {
+void roped_queries(const Step<T>& s, int64_t layer, int64_t item, int64_t part_offset) {
   const int64_t token = item / s.kv_heads, kv_head = item % s.kv_heads, group = s.heads / s.kv_heads;
   const int64_t d = s.head_dim;
   const T* row = s.qkv + token * (s.heads + 2 * s.kv_heads) * d;
@@ -188,7 +188,7 @@ void roped_queries(const Step<T>& s, int64_t layer, int64_t item, int64_t part_o
   for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
     add_qkv_bias(s, layer, head * d, row + head * d, q);
     if (s.qk_norms != nullptr) rms_norm_row(q, s.qk_norms[2 * layer], q, d, s.eps);
-    rope_head(q, rope_row(s, s.cos, token), rope_row(s, s.sin, token), d, rotated);
+    rope_head(q, rope_row(s, s.cos, token), rope_row(s, s.sin, token), d);
     float* query = s.query + part_offset + (token * s.heads + head) * d;
     for (int64_t i = 0; i < d; ++i) query[i] = widen(q[i]);
   }
@@ -197,14 +197,14 @@ void roped_queries(const Step<T>& s, int64_t layer, int64_t item, int64_t part_o
 // Rope the item's K head in place and write its K and V heads into their cache slot (its second unit, which reads
 // the new token, runs on the same thread after this).
 template <typename T>
-void rope_and_cache(const Step<T>& s, int64_t layer, int64_t item, float* rotated) {
+void rope_and_cache(const Step<T>& s, int64_t layer, int64_t item) {
   const int64_t token = item / s.kv_heads, kv_head = item % s.kv_heads, d = s.head_dim;
   T* row = s.qkv + token * (s.heads + 2 * s.kv_heads) * d;
   const int64_t k_offset = (s.heads + kv_head) * d, v_offset = (s.heads + s.kv_heads + kv_head) * d;
   T* k = row + k_offset;
   add_qkv_bias(s, layer, k_offset, k, k);
   if (s.qk_norms != nullptr) rms_norm_row(k, s.qk_norms[2 * layer + 1], k, d, s.eps);
-  rope_head(k, rope_row(s, s.cos, token), rope_row(s, s.sin, token), d, rotated);
+  rope_head(k, rope_row(s, s.cos, token), rope_row(s, s.sin, token), d);
   const int64_t slot = ((layer * s.kv_heads + kv_head) * s.slots_per_head + s.slots[token]) * d;
   std::memcpy(s.k_cache + slot, k, d * sizeof(T));
   add_qkv_bias(s, layer, v_offset, row + v_offset, s.v_cache + slot);
@@ -228,13 +228,13 @@ void layer(const Step<T>& s, int64_t l, Scratch<T>& own, int t, int threads) {
 #pragma omp barrier
   if (s.writes_first) {  // a row may read the K/V another row writes: every write before any read (one more barrier)
     for (int64_t unit = units.begin; unit < units.end; ++unit) {
-      if (unit % 2) rope_and_cache(s, l, unit / 2, own.rotated.data());
+      if (unit % 2) rope_and_cache(s, l, unit / 2);
     }
 #pragma omp barrier
   }
   for (int64_t unit = units.begin; unit < units.end; ++unit) {
-    if (unit % 2 && !s.writes_first) rope_and_cache(s, l, unit / 2, own.rotated.data());
-    roped_queries(s, l, unit / 2, unit % 2 ? attention.part_query_offset : 0, own.rotated.data());
+    if (unit % 2 && !s.writes_first) rope_and_cache(s, l, unit / 2);
+    roped_queries(s, l, unit / 2, unit % 2 ? attention.part_query_offset : 0);
   }
   paged_decode_units(attention, units.begin, units.end);
 #pragma omp barrier
