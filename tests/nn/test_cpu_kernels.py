@@ -15,7 +15,7 @@ from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.llama import Llama, LlamaConfig, RMSNorm
 from mlsyslab.nn.rope import apply_rope, rope_cos_sin, rope_inverse_frequencies
 from mlsyslab.nn.packed_linear import packed_for_inference
-from mlsyslab.nn.paged_attention import cache_rows, decode_attention, decode_batch
+from mlsyslab.nn.paged_attention import PagedAttention, SequenceSlice, cache_rows, decode_attention, decode_batch
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels did not build here")
 
@@ -222,6 +222,84 @@ def test_bf16_panels_take_amx_tiles_and_agree_with_the_vector_kernel(tmp_path):
         differ = tiles != vector
         assert differ.float().mean() < 1e-3
         assert ((tiles.float() - vector.float()).abs()[differ] <= vector.float().abs()[differ] * 2.0 ** -7).all()
+
+
+def packed_prompts(lengths, heads, kv_heads, head_dim, seed=0):
+    """q, k, v [tokens, heads, head_dim] bf16 as views of one fused q|k|v output (token stride = its row), and the
+    prompts' starts and lengths packed back to back."""
+    generator = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(sum(lengths), (heads + 2 * kv_heads) * head_dim, generator=generator).bfloat16()
+    q, k, v = (part.unflatten(1, (-1, head_dim)) for part in
+               qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1))
+    starts = torch.tensor([sum(lengths[:i]) for i in range(len(lengths))])
+    return q, k, v, starts, torch.tensor(lengths)
+
+
+def causal_sdpa(q, k, v, start, length, dtype):
+    return F.scaled_dot_product_attention(*(x[start:start + length].transpose(0, 1).to(dtype) for x in (q, k, v)),
+                                          is_causal=True, enable_gqa=True).transpose(0, 1)
+
+
+needs_prompt_attention = pytest.mark.skipif(not cpu_kernels.serves_prompt_attention(torch.zeros(1, 64).bfloat16()),
+                                            reason="prompt_attention needs AMX tiles")
+
+
+@needs_prompt_attention
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(64, 9, 3), (32, 4, 4), (128, 8, 2)])
+def test_prompt_attention_is_within_torch_bf16_rounding_of_exact_attention(head_dim, heads, kv_heads):
+    """Whole prompts of 1 to 130 tokens (part of a block of 16 queries, one, several, a half chunk of 32 keys):
+    against fp32 attention of the same bf16 inputs, each prompt within twice torch's own bf16 SDPA's distance."""
+    lengths = [1, 5, 16, 17, 33, 100, 130]
+    q, k, v, starts, lens = packed_prompts(lengths, heads, kv_heads, head_dim)
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    cpu_kernels.load().prompt_attention(q, k, v, starts, lens, out)
+    for start, length in zip(starts.tolist(), lengths):
+        exact = causal_sdpa(q, k, v, start, length, torch.float32)
+        torch_error = (causal_sdpa(q, k, v, start, length, torch.bfloat16).float() - exact).abs().max().item()
+        assert (out[start:start + length].float() - exact).abs().max().item() <= 2 * torch_error + 1e-3
+
+
+@needs_prompt_attention
+def test_prompt_attention_of_a_prompt_does_not_depend_on_the_others():
+    lengths = [40, 7, 128]
+    q, k, v, starts, lens = packed_prompts(lengths, 9, 3, 64, seed=1)
+    together = torch.empty(q.shape, dtype=torch.bfloat16)
+    cpu_kernels.load().prompt_attention(q, k, v, starts, lens, together)
+    for start, length in zip(starts.tolist(), lengths):
+        alone = torch.empty(q.shape, dtype=torch.bfloat16)
+        cpu_kernels.load().prompt_attention(q, k, v, torch.tensor([start]), torch.tensor([length]), alone)
+        assert torch.equal(alone[start:start + length], together[start:start + length])
+
+
+@needs_prompt_attention
+def test_prompt_attention_refuses_prompts_outside_the_tokens_and_other_dtypes():
+    q, k, v, starts, lens = packed_prompts([8, 8], 4, 2, 64)
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"prompt 1 \(start 8, length 9\) outside the 16 tokens"):
+        cpu_kernels.load().prompt_attention(q, k, v, starts, torch.tensor([8, 9]), out)
+    with pytest.raises(RuntimeError, match="q, k, v, out: bf16"):
+        cpu_kernels.load().prompt_attention(q.float(), k, v, starts, lens, out)
+
+
+@needs_prompt_attention
+def test_paged_attention_takes_whole_prompts_to_the_kernel_beside_a_decode(monkeypatch):
+    """A step of two whole prompts and a decode (bf16, head_dim 64): the prompts' rows through `prompt_attention`
+    within a bf16 rounding of torch's SDPA path, the decode's row the same either way."""
+    lengths = [20, 1, 37]
+    q, k, v, _, _ = packed_prompts(lengths, 9, 3, 64, seed=2)
+    k_cache = torch.randn(1, 3, 16, 16, 64).bfloat16()
+    v_cache = torch.randn_like(k_cache)
+    slices = [SequenceSlice(20, 20, [0, 1]), SequenceSlice(1, 5, [2]), SequenceSlice(37, 37, [3, 4, 5])]
+    steps = {}
+    for kernel in (True, False):
+        if not kernel:
+            monkeypatch.setattr(cpu_kernels, "serves_prompt_attention", lambda q: False)
+        attention = PagedAttention(k_cache.clone(), v_cache.clone(), slices)
+        steps[kernel] = attention(0, q[None], k[None], v[None])[0]
+    torch.testing.assert_close(steps[True][20:21], steps[False][20:21], atol=0, rtol=0)
+    for start, length in ((0, 20), (21, 37)):
+        torch.testing.assert_close(steps[True][start:start + length].float(), steps[False][start:start + length].float(),
+                                   atol=2e-2, rtol=2e-2)
 
 
 def test_streamed_linear_refuses_what_it_does_not_compute():

@@ -5,6 +5,8 @@
 - `rms_norm`, `silu_and_mul`, `rope_` (csrc/layer_ops.cpp): a decoder layer's per-token steps as one
   pass each; the serving copy of the model (`nn.packed_linear.packed_for_inference`) uses them
   through `KernelRMSNorm`, `silu_and_mul` and `rope`.
+- `prompt_attention` (csrc/prompt_attention.cpp): causal attention of a step's whole prompts on AMX tiles (bf16,
+  head_dim 32/64/128, `serves_prompt_attention`); used by `nn.paged_attention`.
 - `decode_layers` (csrc/decode_layers.cpp): a decode step through every decoder layer in one call, the
   kernels above and the serving copy's matmuls in C++ order; used by `nn.fused_decode`.
 - `stream_pack`, `streamed_linear` (csrc/streamed_linear.cpp): the matrix-vector product of small
@@ -114,6 +116,13 @@ def serves(tensor: torch.Tensor) -> bool:
 def serves_attention(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether `paged_decode_attention` reads a KV cache of this device, dtype and head size."""
     return device.type == "cpu" and dtype in DTYPES and head_dim in HEAD_DIMS and load() is not None
+
+
+def serves_prompt_attention(q: torch.Tensor) -> bool:
+    """Whether `prompt_attention` takes queries like `q` [..., heads, head_dim]: bf16 on a CPU whose AMX tiles the OS
+    granted (csrc/amx_linear.cpp), head_dim 32, 64 or 128."""
+    return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[-1] in HEAD_DIMS and load() is not None
+            and load().streamed_amx())
 
 
 class KernelRMSNorm(nn.Module):
