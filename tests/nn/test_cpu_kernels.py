@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from mlsyslab.measure import host
-from mlsyslab.nn import cpu_kernels
+from mlsyslab.nn import cpu_kernels, paged_attention
 from mlsyslab.nn.llama import Llama, LlamaConfig, RMSNorm
 from mlsyslab.nn.rope import apply_rope, rope_cos_sin, rope_inverse_frequencies
 from mlsyslab.nn.packed_linear import packed_for_inference
@@ -282,9 +282,12 @@ def test_prompt_attention_refuses_prompts_outside_the_tokens_and_other_dtypes():
 
 
 @needs_prompt_attention
-def test_paged_attention_takes_whole_prompts_to_the_kernel_beside_a_decode(monkeypatch):
+@pytest.mark.parametrize("tiled_up_to", [1024, 30])
+def test_paged_attention_takes_whole_prompts_to_the_kernel_beside_a_decode(monkeypatch, tiled_up_to):
     """A step of two whole prompts and a decode (bf16, head_dim 64): the prompts' rows through `prompt_attention`
-    within a bf16 rounding of torch's SDPA path, the decode's row the same either way."""
+    (the one over `TILED_PROMPTS_UP_TO` tokens through torch's SDPA beside it) within a bf16 rounding of torch's SDPA
+    path, the decode's row the same either way."""
+    monkeypatch.setattr(paged_attention, "TILED_PROMPTS_UP_TO", tiled_up_to)
     lengths = [20, 1, 37]
     q, k, v, _, _ = packed_prompts(lengths, 9, 3, 64, seed=2)
     k_cache = torch.randn(1, 3, 16, 16, 64).bfloat16()

@@ -22,11 +22,12 @@ layer, `PagedAttention(layer, q, k, v)`
    attends over its own new K/V, with nothing to read back from the cache, and whole prompts of one length
    attend in one batched call (16 prompts of 128 tokens, bf16 on a Sapphire Rapids VM: 2.56 ms a layer against
    3.10 one by one, medians of 40 alternating rounds, 1.04-1.49x paired; the same numbers, as torch's CPU flash
-   attention computes each (prompt, head, query block) on its own). In bf16 on a CPU with AMX every whole prompt of
-   the step goes to one call of csrc/prompt_attention.cpp instead (`cpu_kernels.serves_prompt_attention`): K and V
+   attention computes each (prompt, head, query block) on its own). In bf16 on a CPU with AMX the step's whole prompts of up
+   to `TILED_PROMPTS_UP_TO` tokens go to one call of csrc/prompt_attention.cpp instead (`cpu_kernels.serves_prompt_attention`): K and V
    laid out once per (prompt, KV head) for the group's query heads, scores and P·V on tiles. 16 x 128 tokens with
    SmolLM2's heads: 2.6 against torch's 3.7 ms a layer; whole 16 x 128 and 32 x 128 prefills 1.067x and 1.027x
-   (medians of 20 and 16 alternating runs, Sapphire Rapids VM, 2026-12-02); within a bf16 rounding of torch's SDPA,
+   (medians of 20 and 16 alternating runs, Sapphire Rapids VM, 2026-12-02; 1.079x at 16 x 128 with a unit of work
+   per query head); within a bf16 rounding of torch's SDPA,
    not bit-equal (2 of 32 random-token prompts took another first token among near-ties).
 
 Cost per layer: reads each sequence's cached K/V once, 2·context·kv_heads·head_dim·dtype bytes; the
@@ -46,6 +47,10 @@ import torch.nn.functional as F
 
 from mlsyslab.measure import host
 from mlsyslab.nn import cpu_kernels
+
+
+TILED_PROMPTS_UP_TO = 1024  # longer whole prompts take torch's flash attention: csrc/prompt_attention.cpp took 0.86x
+# its time for one prompt of 2,048 tokens, 1.08x of 1,024, 1.34x for 4 of 512 (SmolLM2's heads, 2 threads, 2026-12-02)
 
 
 @dataclass(frozen=True)
@@ -87,10 +92,12 @@ class PagedAttention:
                 blocks = torch.tensor([seq.block_table[: -(-seq.context_len // block_size)]], device=device)
                 self.chunks.append((start, seq.query_len, seq.context_len, cache_rows(blocks, k_cache.shape)))
             start += seq.query_len
-        self.prompt_starts = torch.tensor([start for starts in self.whole_prompts.values() for start in starts],
-                                          dtype=torch.long)
-        self.prompt_lengths = torch.tensor([length for length, starts in self.whole_prompts.items() for _ in starts],
-                                           dtype=torch.long)
+        tiled = [(start, length) for length, starts in self.whole_prompts.items() if length <= TILED_PROMPTS_UP_TO
+                 for start in starts]  # the whole prompts `prompt_attention` takes where the CPU has AMX tiles
+        self.prompt_starts = torch.tensor([start for start, _ in tiled], dtype=torch.long)
+        self.prompt_lengths = torch.tensor([length for _, length in tiled], dtype=torch.long)
+        self.long_prompts = {length: starts for length, starts in self.whole_prompts.items()
+                             if length > TILED_PROMPTS_UP_TO}
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
         self.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
         self.in_place = cpu_kernels.serves_attention(k_cache.device, k_cache.dtype, k_cache.shape[-1])
@@ -117,10 +124,10 @@ class PagedAttention:
         out = torch.empty(q.shape[1:], dtype=q.dtype, device=q.device)
         if len(self.decode_rows):
             out[self.decode_rows] = self._decode(q[0, self.decode_rows], k_cache, v_cache)
-        if self.whole_prompts and cpu_kernels.serves_prompt_attention(q):  # every whole prompt in one call, on tiles
+        on_tiles = bool(self.whole_prompts) and cpu_kernels.serves_prompt_attention(q)
+        if on_tiles and len(self.prompt_starts):  # the whole prompts up to TILED_PROMPTS_UP_TO tokens in one call
             cpu_kernels.load().prompt_attention(q[0], k[0], v[0], self.prompt_starts, self.prompt_lengths, out)
-        else:
-            self._attend_whole_prompts(q, k, v, out)
+        self._attend_whole_prompts(q, k, v, out, self.long_prompts if on_tiles else self.whole_prompts)
         for start, query_len, context_len, rows in self.chunks:
             query = q[:, start:start + query_len].transpose(1, 2)  # [1, heads, query_len, d]
             keys = gather_blocks(k_cache, rows, 1, context_len).transpose(0, 1)
@@ -130,9 +137,11 @@ class PagedAttention:
             out[start:start + query_len] = attended[0].transpose(0, 1).to(out.dtype)
         return out[None]
 
-    def _attend_whole_prompts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
-        """The whole prompts through torch's SDPA, those of one length in one batched call."""
-        for length, starts in self.whole_prompts.items():  # keys and values are this step's: no cache to read
+    @staticmethod
+    def _attend_whole_prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                              prompts: dict[int, list[int]]) -> None:
+        """Whole prompts ({length: packed starts}) through torch's SDPA, those of one length in one batched call."""
+        for length, starts in prompts.items():  # keys and values are this step's: no cache to read
             query, keys, values = (prompt_rows(x[0], starts, length).transpose(1, 2) for x in (q, k, v))
             attended = attention(query, keys, values, None, causal=True).transpose(1, 2)  # [prompts, length, heads, d]
             if back_to_back(starts, length):
