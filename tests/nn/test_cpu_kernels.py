@@ -305,6 +305,19 @@ def test_paged_attention_takes_whole_prompts_to_the_kernel_beside_a_decode(monke
                                    atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_slots_writes_what_index_copy_writes_and_refuses_a_slot_outside(dtype):
+    cache = torch.zeros(3, 8, 4, 16, dtype=dtype)
+    values = torch.randn(5, 3 * 16 + 7).to(dtype)[:, :48].view(5, 3, 16)  # heads of a wider row, as q|k|v's K part
+    slots = torch.tensor([31, 0, 7, 12, 13])
+    expected = cache.clone()
+    expected.view(3, -1, 16).index_copy_(1, slots, values.transpose(0, 1))
+    cpu_kernels.load().write_slots_(cache, values, slots)
+    assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match=r"slots\[1\] = 32: not a slot of the cache \(0..31\)"):
+        cpu_kernels.load().write_slots_(cache, values, torch.tensor([0, 32, 1, 2, 3]))
+
+
 def test_streamed_linear_refuses_what_it_does_not_compute():
     ops, x = cpu_kernels.load(), torch.randn(2, 8).bfloat16()
     tiles = ops.stream_pack(torch.randn(4, 8).bfloat16())
