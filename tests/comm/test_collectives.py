@@ -133,7 +133,8 @@ def _hang(rank):
         except CollectiveTimeout as error:
             return str(error)
         return "no timeout"
-    return "idle"
+    time.sleep(5)  # rank 0 never joins, but stays up until rank 1 has timed out: a rank that had returned closed its
+    return "idle"  # connections, and rank 1's send, posted late on a slow host, failed on the closed pair instead
 
 
 def test_a_collective_that_never_completes_times_out_with_rank_op_and_shape():
