@@ -109,6 +109,5 @@ template <typename T> int64_t draw_row(const T* logits, int64_t vocab, float tem
 
 // decode_layers.cpp: slots [tokens], each new token's slot in a cache of `cache_slots` slots per head.
 void check_slots(const at::Tensor& slots, int64_t tokens, int64_t cache_slots);
-void write_slots_(at::Tensor& cache, const at::Tensor& values, const at::Tensor& slots);
 
 }  // namespace mlsyslab
