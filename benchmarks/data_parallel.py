@@ -22,7 +22,9 @@ with its defaults otherwise. A reference row, "local", trains the same model on 
 communication at all: the compute floor under the same CPU contention. DeepSpeed runs in its own
 interpreter (benchmarks/.peers/deepspeed; the script benchmarks/peers/deepspeed_llama.py holds a
 plain-torch copy of the model and never imports mlsyslab); without that venv the DeepSpeed rows are
-skipped and the script prints how to create it. Every strategy starts in fresh processes.
+skipped and the script prints how to create it. Every strategy starts in fresh processes. The copy runs the plain
+PyTorch ops, so ours and torch's run them too: the C++ kernels are switched off for the whole benchmark
+(MLSYS_CPU_KERNELS=0; with them the model's own backward is faster: `nn.training_kernels`).
 The mean loss of each step is recorded for every strategy: equal losses show equal work. So is the
 share of the CPUs other processes used while a strategy ran ("others", from /proc/stat minus this
 benchmark's own CPU time): on a shared machine, a row with a large share is not comparable.
@@ -48,6 +50,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from record import ROOT, OtherProcesses, machine, save  # benchmarks/record.py
+
+os.environ["MLSYS_CPU_KERNELS"] = "0"  # before anything loads them: every strategy on DeepSpeed's copy's ops
 
 from mlsyslab.comm import heap
 from mlsyslab.comm.launch import spawn

@@ -1,5 +1,5 @@
 """What autograd saves in a forward of nn/'s Llama, measured by measure.memory.ActivationMeter, against predict.memory's
-eager accounting of it, to the byte: fp32 and bf16 (whose norms keep fp32 copies), dense, Qwen3's head norms and MoE
+eager accounting of it, to the byte: fp32 and bf16, dense, Qwen3's head norms and MoE
 (routing with room for every copy, as predict assumes). The parallel layouts' shares are held in tests/train/."""
 
 import pytest

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from mlsyslab.measure import host
-from mlsyslab.nn import cpu_kernels, paged_attention
+from mlsyslab.nn import cpu_kernels, paged_attention, training_kernels
 from mlsyslab.nn.llama import Llama, LlamaConfig, RMSNorm
 from mlsyslab.nn.rope import apply_rope, rope_cos_sin, rope_inverse_frequencies
 from mlsyslab.nn.packed_linear import packed_for_inference
@@ -149,7 +149,7 @@ def test_serving_copy_with_kernels_matches_the_plain_model(dtype, tolerance):
     model = Llama(config).initialize(0.1, torch.Generator().manual_seed(0)).to(dtype).eval()
     packed = packed_for_inference(model)
     assert isinstance(packed.layers[0].input_layernorm, cpu_kernels.KernelRMSNorm)
-    assert packed.layers[0].self_attn.rope is cpu_kernels.rope and model.layers[0].self_attn.rope is apply_rope
+    assert packed.layers[0].self_attn.rope is cpu_kernels.rope and model.layers[0].self_attn.rope is training_kernels.rope
     ids = torch.randint(config.vocab, (2, 40))
     with torch.no_grad():
         torch.testing.assert_close(packed(ids).float(), model(ids).float(), atol=tolerance, rtol=tolerance)

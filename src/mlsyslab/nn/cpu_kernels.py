@@ -1,10 +1,13 @@
-"""Builds and loads the C++ kernels of the CPU serving path (`nn/csrc/*.cpp`, ops `torch.ops.mlsyslab.*`).
+"""Builds and loads the C++ kernels of the CPU serving path and of the training path's backward (`nn/csrc/*.cpp`,
+ops `torch.ops.mlsyslab.*`).
 
 - `paged_decode_attention` (csrc/paged_decode.cpp): decode attention reading the paged KV cache in
   place, fp32 or bf16 cache; used by `nn.paged_attention`.
 - `rms_norm`, `silu_and_mul`, `rope_` (csrc/layer_ops.cpp): a decoder layer's per-token steps as one
   pass each; the serving copy of the model (`nn.packed_linear.packed_for_inference`) uses them
   through `KernelRMSNorm`, `silu_and_mul` and `rope`.
+- `rms_norm_backward`, `silu_and_mul_backward` (csrc/layer_grads.cpp): the training path's backward of RMSNorm and
+  of silu(gate)·up in one pass each, through `nn.training_kernels` (with `rope_` for rope's backward).
 - `prompt_attention` (csrc/prompt_attention.cpp): causal attention of a step's whole prompts on AMX tiles (bf16,
   head_dim 32/64/128, `serves_prompt_attention`); used by `nn.paged_attention`.
 - `decode_layers` (csrc/decode_layers.cpp): a decode step through every decoder layer in one call, the
@@ -94,7 +97,7 @@ def load():
               extra_ldflags=["-fopenmp"])
     except Exception as error:  # noqa: BLE001 - no compiler, no ninja, or a failed build: say so, fall back
         warnings.warn(f"CPU kernels not built ({type(error).__name__}: {str(error)[:200]}); serving takes the "
-                      "PyTorch path (slower)", RuntimeWarning, stacklevel=2)
+                      "PyTorch path (slower), training PyTorch's autograd", RuntimeWarning, stacklevel=2)
         return None
     return torch.ops.mlsyslab
 

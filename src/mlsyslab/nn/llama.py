@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlsyslab.errors import InvalidValue
-from mlsyslab.nn.rope import RopeScaling, apply_rope, rope_cos_sin, rope_inverse_frequencies
+from mlsyslab.nn import training_kernels
+from mlsyslab.nn.rope import RopeScaling, rope_cos_sin, rope_inverse_frequencies
 
 
 # model_type -> the config.json fields that name the Hugging Face model of each family this decoder is
@@ -299,7 +300,7 @@ class Attention(nn.Module):
         self.q_norm, self.k_norm = (RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
                                     for _ in range(2))
         self.fused_qkv = None  # the serving copy's one matrix for q, k and v (nn.packed_linear)
-        self.rope = apply_rope  # the serving copy's is one in-place pass (nn.cpu_kernels.rope)
+        self.rope = training_kernels.rope  # the serving copy's is one in-place pass (nn.cpu_kernels.rope)
 
     def forward(self, x, cos, sin, attend: Callable, residual: torch.Tensor) -> torch.Tensor:
         """residual + o_proj(attention(x))."""
@@ -322,7 +323,7 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, ffn_hidden, bias=False)
         self.down_proj = nn.Linear(ffn_hidden, hidden, bias=False)
         self.fused_gate_up = None  # the serving copy's one matrix for gate and up (nn.packed_linear)
-        self.silu_and_mul = silu_and_mul  # the serving copy's is one pass (nn.cpu_kernels.silu_and_mul)
+        self.silu_and_mul = training_kernels.silu_and_mul  # the serving copy's: nn.cpu_kernels.silu_and_mul
 
     def forward(self, x, residual: torch.Tensor | None = None):
         """down(silu(gate(x)) * up(x)), plus `residual` when given."""
@@ -340,10 +341,6 @@ def release_unheld(parts, held: nn.Module) -> None:
             part.to("meta")
 
 
-def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
 def add_projection(residual: torch.Tensor, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """residual + linear(x). The serving copy's `PackedLinear` adds inside its matmul (`add_to`): at
     decode batch sizes every kernel saved counts (docs/serving.md); in fp32 it rounds as a separate add."""
@@ -356,8 +353,8 @@ class RMSNorm(nn.Module):
 
     In fp32 bit-equal to HF's weight * (x * rsqrt(mean(x²) + eps)). For 16-bit x, HF rounds the
     normalised x to 16 bits before multiplying by the weight; `F.rms_norm` rounds once, at the end —
-    closer to the exact value (tests/nn/test_llama.py). On CPU torch still runs it as several kernels;
-    the serving copy uses one C++ pass instead (`nn.cpu_kernels.KernelRMSNorm`)."""
+    closer to the exact value (tests/nn/test_llama.py). Its backward is one C++ pass where it applies
+    (`nn.training_kernels`); the serving copy's forward is one too (`nn.cpu_kernels.KernelRMSNorm`)."""
 
     def __init__(self, hidden: int, eps: float):
         super().__init__()
@@ -365,7 +362,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return training_kernels.rms_norm(x, self.weight, self.eps)
 
 
 def causal_attention(layer: int, q, k, v) -> torch.Tensor:

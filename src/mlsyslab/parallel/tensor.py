@@ -33,6 +33,7 @@ from mlsyslab.comm.launch import Rank
 from mlsyslab.comm.log import CommLog, nbytes, traced
 from mlsyslab.comm.torch_ops import all_gather_single, reduce_scatter_single
 from mlsyslab.errors import InvalidValue
+from mlsyslab.nn import training_kernels
 from mlsyslab.nn.moe import MixtureOfExperts, combine, run_routed
 
 
@@ -358,7 +359,7 @@ class TensorParallelNorm(nn.Module):
         self.weight, self.eps, self.tp = source.weight, source.eps, tp
 
     def forward(self, x):
-        return F.rms_norm(x, self.weight.shape, _OnGradient.apply(self.weight, self.tp.all_reduce), self.eps)
+        return training_kernels.rms_norm(x, _OnGradient.apply(self.weight, self.tp.all_reduce), self.eps)
 
 
 def parallelize_llama(model, tp: TensorGroup, sequence_parallel: bool = False):

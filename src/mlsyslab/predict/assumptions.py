@@ -48,7 +48,7 @@ class Assumptions:
         "and written (Korthikanti et al. 2022)")
     eager_activations: bool = documented(
         False, "count the activations a layer stores as mlsyslab's nn/ saves them under eager PyTorch "
-        "(predict.memory.eager_activation_bytes_per_layer: norms keep fp32 copies, SwiGLU silu(gate) too, attention "
+        "(predict.memory.eager_activation_bytes_per_layer: norms their input and fp32 rstd, SwiGLU gate and up, attention "
         "its log-sum-exp, an MoE layer its routing indices and each copy's input and output), at the training dtype; "
         "false: Korthikanti et al. 2022's 16-bit count for Megatron's fused kernels. The trainer's twin sets it")
     loss_bytes_per_logit: float = documented(

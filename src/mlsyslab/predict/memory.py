@@ -176,12 +176,14 @@ def eager_activation_bytes_per_layer(model: Model, layout: Layout, element_bytes
     microbatch, one rank, at `element_bytes` per activation — where `activation_bytes_per_layer` counts Megatron's
     fused kernels (Korthikanti et al. 2022). Tensor by tensor, as autograd keeps them (held to the byte against
     measure.memory.ActivationMeter: tests/measure/test_activation_meter.py, and on every layout, tests/train/):
-    - each RMSNorm its input and normalised input in fp32 and the reciprocal RMS: 8h + 4 bytes a token in any dtype
-      (F.rms_norm on a CPU computes in fp32); under SP on this rank's shard of the sequence;
+    - each RMSNorm its input and the reciprocal RMS (fp32): h·w + 4 bytes a token (`nn.training_kernels`; PyTorch's
+      own autograd of F.rms_norm on a CPU keeps fp32 copies of the input and the normalised input instead); under SP
+      on this rank's shard of the sequence;
     - the q|k|v and gate|up entries their input (under SP only the shard, gathered again in backward);
     - attention q, k and v after rotary, its output (under CP in 16 bits, ring attention's fp32 accumulator too)
       and each query head's log-sum-exp (fp32); Qwen3's head norms as norms of q and k;
-    - SwiGLU gate, up, silu(gate) and their product (a plain MLP fc1's output and the activation's);
+    - SwiGLU gate, up and silu(gate)·up (`nn.training_kernels` recomputes silu(gate) in backward; a plain MLP fc1's
+      output and the activation's);
     - an MoE layer, routing balanced and nothing dropped: the router's input (under SP its shard), the router's
       probabilities and the kept weights (fp32), the top-k, sorted and kept copies' indices (int64) and the kept
       mask, the k routed copies of each token, each copy's SwiGLU, its weight and the combine's outputs and weighted
@@ -197,23 +199,23 @@ def eager_activation_bytes_per_layer(model: Model, layout: Layout, element_bytes
     if model.mla is not None:
         q_width = heads * (model.mla.qk_nope_head_dim + model.mla.qk_rope_head_dim)
         kv_width = (q_width + heads * model.mla.v_head_dim) / 2
-    norm = 8 * h + 4
+    norm = h * w + 4
     output_bytes = w + np.where(layout.cp > 1, 4 if w < 4 else 0, 0)  # ring attention also keeps its fp32 sum
     attention = ((q_width + 2 * kv_width) * w + q_width * output_bytes + 4 * heads) / t
     if model.qk_norm:
-        attention = attention + (8 * (q_width + kv_width) + 4 * (heads + kv_heads)) / t
+        attention = attention + ((q_width + kv_width) * w + 4 * (heads + kv_heads)) / t
     per_token = (2 * norm + h * w) * share + attention
     constant = 0.0
     if moe_layer and model.moe is not None:
         k, experts, f = model.moe.experts_per_token, model.moe.experts, model.moe.expert_ffn_hidden
         # probabilities and the kept weights (fp32), top-k, sorted and kept copies' indices (int64), the kept mask
         routing = 4 * experts + 4 + 4 * k + 8 * k + 8 * k + k + 8 * k + np.where(layout.ep > 1, 8 * k, 0)
-        copies = k * (h + 4 * f / t + 2 * h + 1) * w  # input, SwiGLU, output and weighted output, the weight
-        shared = model.moe.shared_experts * 4 * f / t * w
+        copies = k * (h + 3 * f / t + 2 * h + 1) * w  # input, SwiGLU, output and weighted output, the weight
+        shared = model.moe.shared_experts * 3 * f / t * w
         per_token = per_token + h * w * share + routing + copies + shared
         constant = 4.0 * experts
     else:
-        per_token = per_token + h * w * share + (4 if model.gated_mlp else 2) * model.ffn_hidden / t * w
+        per_token = per_token + h * w * share + (3 if model.gated_mlp else 2) * model.ffn_hidden / t * w
     return np.where(layout.recompute == 2, n * h * w * share, n * per_token + constant)
 
 
@@ -234,7 +236,7 @@ def eager_chunk_activation_bytes(model: Model, layout: Layout, element_bytes: fl
     total = (layers - moe_layers) * dense + moe_layers * moe + n * 2 * rope_dim * element_bytes
     if embedding:
         total = total + np.where(layout.tp > 1, 9 * n, 0.0)
-    loss = n * ((8 * model.hidden + 4 + model.hidden * element_bytes) * share + 4 * model.vocab / t) \
+    loss = n * ((2 * model.hidden * element_bytes + 4) * share + 4 * model.vocab / t) \
         + np.where(layout.tp > 1, 9 * n, 4.0)
     return total + np.where(head, loss, 0.0)
 

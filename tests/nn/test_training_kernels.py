@@ -1,0 +1,161 @@
+"""The training path's one-pass backwards (nn.training_kernels: csrc/layer_grads.cpp, or the same formulas in PyTorch
+ops where the kernels do not apply): the forwards keep the plain ops' bits, the gradients are as close to exact as
+autograd's, and what the functions do not take keeps the plain ops."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mlsyslab.nn import cpu_kernels, training_kernels
+from mlsyslab.nn.llama import Llama, LlamaConfig
+from mlsyslab.nn.rope import apply_rope, base_frequencies, rope_cos_sin
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels did not build here")
+
+# Largest gradient error against fp64 allowed, as a multiple of autograd's own (plus an ulp's slack at fp32).
+SLACK = 2.0
+
+
+@pytest.fixture(params=["kernels", "torch ops"])
+def backward(request, monkeypatch):
+    """Each test twice: the C++ backward, and the PyTorch formulas the functions use where it does not apply."""
+    if request.param == "torch ops":
+        monkeypatch.setattr(training_kernels, "on_kernels", lambda x: False)
+    return request.param
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def gradients(fn, inputs, grad):
+    out = fn(*inputs)
+    out.backward(grad)
+    return out.detach(), [t.grad for t in inputs]
+
+
+def compare(ours_fn, plain_fn, tensors, grad):
+    """Ours and the plain ops' outputs and gradients, and each one's gradient errors against the plain ops in fp64."""
+    ours_out, ours = gradients(ours_fn, leaves(*tensors), grad)
+    plain_out, plain = gradients(plain_fn, leaves(*tensors), grad)
+    _, exact = gradients(plain_fn, leaves(*(t.double() for t in tensors)), grad.double())
+    assert torch.equal(ours_out, plain_out), "the forward must keep the plain ops' bits"
+    for mine, theirs, truth in zip(ours, plain, exact):
+        assert mine.dtype == theirs.dtype and mine.shape == theirs.shape
+        scale = truth.abs().max().item()
+        ours_error = (mine.double() - truth).abs().max().item()
+        plain_error = (theirs.double() - truth).abs().max().item()
+        assert ours_error <= SLACK * plain_error + 1e-6 * scale, (ours_error, plain_error)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 200, 576])  # whole vectors, a tail, SmolLM2's width
+def test_rms_norm_backward(dtype, hidden, backward):
+    generator = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(3, 37, hidden, generator=generator) * 2).to(dtype)
+    weight = (1 + 0.2 * torch.randn(hidden, generator=generator)).to(dtype)
+    grad = torch.randn(3, 37, hidden, generator=generator).to(dtype)
+    compare(lambda x, w: training_kernels.rms_norm(x, w, 1e-5),
+            lambda x, w: F.rms_norm(x, (hidden,), w, 1e-5), (x, weight), grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [48, 77, 1536])
+def test_silu_and_mul_backward(dtype, width, backward):
+    generator = torch.Generator().manual_seed(width)
+    gate = (torch.randn(5, width, generator=generator) * 4).to(dtype)
+    gate[0, :3] = torch.tensor([-100.0, 60.0, 0.0])  # past vec.h's exp range, saturated, zero
+    up = torch.randn(5, width, generator=generator).to(dtype)
+    grad = torch.randn(5, width, generator=generator).to(dtype)
+    compare(training_kernels.silu_and_mul, lambda g, u: F.silu(g) * u, (gate, up), grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64, 80])
+def test_rope_backward(dtype, head_dim, backward):
+    generator = torch.Generator().manual_seed(head_dim)
+    q = torch.randn(2, 9, 3, head_dim, generator=generator).to(dtype)
+    grad = torch.randn(2, 9, 3, head_dim, generator=generator).to(dtype)
+    cos, sin = rope_cos_sin(base_frequencies(head_dim, 10000.0), torch.arange(9).expand(2, 9), dtype)
+    compare(lambda x: training_kernels.rope(x, cos, sin), lambda x: apply_rope(x, cos, sin), (q,), grad)
+    one_row = tuple(table[:1] for table in (cos, sin))  # tables broadcast over the batch
+    compare(lambda x: training_kernels.rope(x, *one_row), lambda x: apply_rope(x, *one_row), (q,), grad)
+
+
+def test_the_weight_gradient_does_not_depend_on_the_thread_count():
+    generator = torch.Generator().manual_seed(0)
+    x, grad = torch.randn(2, 300, 512, generator=generator), torch.randn(2, 300, 512, generator=generator)
+    weight = torch.randn(512, generator=generator)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(gradients(lambda x, w: training_kernels.rms_norm(x, w, 1e-6), leaves(x, weight), grad)[1])
+    finally:
+        torch.set_num_threads(threads)
+    for dx, dw in results[1:]:
+        assert torch.equal(dx, results[0][0]) and torch.equal(dw, results[0][1])
+
+
+def test_what_the_functions_do_not_take_keeps_the_plain_ops():
+    x, weight = torch.randn(4, 8, requires_grad=True), torch.ones(8, requires_grad=True)
+    assert training_kernels.applies(x, weight) and training_kernels.applies(x.double(), weight.double())
+    with torch.no_grad():
+        assert not training_kernels.applies(x, weight)
+    assert not training_kernels.applies(x.detach(), weight.detach())  # nothing wants a gradient
+    assert not training_kernels.applies(x, weight.bfloat16())  # mixed dtypes
+    assert training_kernels.rms_norm(x, weight, 1e-5).grad_fn.name() == "RMSNormFunctionBackward"
+    assert training_kernels.rms_norm(x.double(), weight.double(), 1e-5).grad_fn.name() == "RMSNormFunctionBackward"
+    assert training_kernels.on_kernels(x) and not training_kernels.on_kernels(x.double())
+
+
+def test_the_ops_refuse_mismatched_input():
+    x, weight = torch.randn(4, 8), torch.ones(8)
+    rstd = torch.ones(4)
+    kernels = cpu_kernels.load()
+    with pytest.raises(RuntimeError, match="grad"):
+        kernels.rms_norm_backward(torch.randn(4, 9), x, rstd, weight)
+    with pytest.raises(RuntimeError, match="weight"):
+        kernels.rms_norm_backward(x, x, rstd, torch.ones(9))
+    with pytest.raises(RuntimeError, match="rstd"):
+        kernels.rms_norm_backward(x, x, torch.ones(5), weight)
+    with pytest.raises(RuntimeError, match="up"):
+        kernels.silu_and_mul_backward(x, x, x.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_training_step_matches_the_plain_ops(dtype, monkeypatch):
+    """A Llama step's loss equal, every parameter's gradient within a few roundings of the plain ops' (a Qwen3 shape:
+    the head norms take the kernels too)."""
+    config = LlamaConfig(vocab=97, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn_hidden=80,
+                         qk_norm=True, max_seq=32)
+    model = Llama(config).initialize(generator=torch.Generator().manual_seed(0)).to(dtype)
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    loss, grads = step()
+    monkeypatch.setattr(training_kernels, "applies", lambda *tensors: False)
+    plain_loss, plain_grads = step()
+    assert torch.equal(loss, plain_loss)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    for name, grad in grads.items():
+        scale = plain_grads[name].abs().max().item()
+        assert (grad.float() - plain_grads[name].float()).abs().max().item() <= tolerance * scale + 1e-12, name
+
+
+def test_inputs_laid_out_sequence_major_take_the_functions_too():
+    """Under sequence parallelism a norm's input arrives [b, s, h] with s outermost in memory: the functions take a
+    contiguous copy of it (what they keep for backward), with the plain ops' values and gradients."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 2, 32, generator=generator).transpose(0, 1)
+    weight, grad = torch.randn(32, generator=generator), torch.randn(2, 16, 32, generator=generator)
+    assert not x.is_contiguous()
+    compare(lambda x, w: training_kernels.rms_norm(x, w, 1e-5), lambda x, w: F.rms_norm(x, (32,), w, 1e-5),
+            (x, weight), grad)
+    compare(training_kernels.silu_and_mul, lambda g, u: F.silu(g) * u, (x, x.flip(0)), grad)
