@@ -79,8 +79,19 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def build_cpu_kernels() -> None:
+    """Build the C++ kernels (`nn.cpu_kernels`: the model's backward uses them on CPU) before any CPU rank starts: on
+    first use the build takes 1-2 minutes, and a rank building them while another waits on it in a collective would
+    outlast the collective's timeout (60 s). Built, they load in well under a second."""
+    if not torch.cuda.is_available():
+        from mlsyslab.nn import cpu_kernels
+
+        cpu_kernels.load()
+
+
 def spawn(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S, threads_per_rank: int = 1):
     """Run `fn(rank: Rank, *args)` on `world_size` local CPU ranks; return the list of their results."""
+    build_cpu_kernels()
     port = free_port()
     context = mp.get_context(fork_server.start_method())
     results = context.Queue()
@@ -154,6 +165,7 @@ def torchrun(fn, args: tuple, nproc: int, nnodes: int = 1, node_rank: int = 0, m
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    build_cpu_kernels()
     if nnodes == 1 and master_addr is None:
         rendezvous = dict(rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id=str(uuid.uuid4()))  # as --standalone
     else:
