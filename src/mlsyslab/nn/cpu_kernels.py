@@ -96,8 +96,8 @@ def load():
               is_python_module=False, extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
               extra_ldflags=["-fopenmp"])
     except Exception as error:  # noqa: BLE001 - no compiler, no ninja, or a failed build: say so, fall back
-        warnings.warn(f"CPU kernels not built ({type(error).__name__}: {str(error)[:200]}); serving takes the "
-                      "PyTorch path (slower), training PyTorch's autograd", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"CPU kernels not built ({type(error).__name__}: {str(error)[:200]}); serving and the "
+                      "model's backward take their PyTorch paths (slower)", RuntimeWarning, stacklevel=2)
         return None
     return torch.ops.mlsyslab
 
