@@ -17,6 +17,9 @@ one training step = forward, loss, backward:
 With `--sequence-parallel` both split the activations between the blocks along the sequence (Korthikanti et al.):
 ours `parallelize_llama(..., sequence_parallel=True)`, torch torchtitan's SP plan (`SequenceParallel` norms,
 `PrepareModuleInput` gathering each block's input, o, down and the embedding returning sequence shards).
+Both run the same module code — without SP the norms, rope and silu·up on plain tensors on both sides, so both take
+`nn.training_kernels`' one-pass backward; with SP torch's norms get DTensors, which keep PyTorch's own autograd of
+F.rms_norm (ours take the one-pass backward), and that difference is in the SP rows' ratio.
 Both start from the same weights; their first losses must agree (printed). The time is the slowest
 rank's, median (best) of 10 steps after 3 warm-ups, the three alternating step by step ("paired": the median of the
 steps' own DTensor / ours ratios).
