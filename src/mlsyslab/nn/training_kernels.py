@@ -10,7 +10,8 @@ kept too). Here, wherever gradients are wanted:
   transpose of a rotation), the serving copy's kernel `rope_` with the sin negated;
 - `silu_and_mul`: forward torch's F.silu(gate) * up, keeping gate and up; backward `silu_and_mul_backward`.
 The backward passes are C++ (csrc/layer_grads.cpp) for fp32 and bf16 CPU tensors where the kernels build, the same
-formulas in PyTorch ops elsewhere (GPUs, fp64, no compiler), so what a layer keeps for backward is the same on every
+formulas in PyTorch ops elsewhere (fp64, no compiler, and for rope and silu·up GPUs; on a GPU F.rms_norm is torch's
+fused kernel, whose backward keeps the same input and rstd), so what a layer keeps for backward is the same on every
 device (`predict.memory.eager_activation_bytes_per_layer` counts it). Every forward gives the plain ops' bits, so a
 pass with gradients and one without see the same numbers (RLHF's first ratio of new to old log-probabilities is
 exactly 1); the gradients differ from autograd's by rounding (tests/nn/test_training_kernels.py). DTensors (torch's
@@ -62,8 +63,8 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """F.rms_norm over the last dimension, as `RMSNormFunction` where gradients are wanted."""
-    if applies(x, weight):  # (under sequence parallelism x comes sequence-major: the copy is what it keeps)
+    """F.rms_norm over the last dimension, as `RMSNormFunction` where gradients are wanted on a CPU."""
+    if applies(x, weight) and x.device.type == "cpu":  # (under sequence parallelism x comes sequence-major: the copy is what it keeps)
         return RMSNormFunction.apply(x.contiguous(), weight, eps)
     return F.rms_norm(x, weight.shape, weight, eps)
 
