@@ -37,9 +37,7 @@ def applies(*tensors: torch.Tensor) -> bool:
                     for t in tensors))
 
 
-def on_kernels(x: torch.Tensor) -> bool:
-    """Whether the C++ backward takes x's dtype and device here."""
-    return x.device.type == "cpu" and x.dtype in cpu_kernels.DTYPES and cpu_kernels.load() is not None
+on_kernels = cpu_kernels.serves  # whether the C++ backward takes a tensor: fp32 or bf16 on a CPU, the kernels built
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -80,11 +78,8 @@ class RopeFunction(torch.autograd.Function):
         cos, signed_sin = ctx.saved_tensors
         if not on_kernels(grad):
             return apply_rope(grad, cos, -signed_sin), None, None
-        rows = (*grad.shape[:2], 1, grad.shape[-1])
-        cos_rows, sin_rows = (table.expand(rows).reshape(-1, grad.shape[-1]).contiguous() for table in (cos, -signed_sin))
-        out = grad.contiguous().clone()
-        cpu_kernels.load().rope_(out.view(-1, *grad.shape[2:]), cos_rows, sin_rows)
-        return out, None, None
+        rows = (*grad.shape[:2], 1, grad.shape[-1])  # the tables per token, where they were broadcast over the batch
+        return cpu_kernels.rope(grad.contiguous().clone(), cos.expand(rows), (-signed_sin).expand(rows)), None, None
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
