@@ -11,6 +11,7 @@ from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.nn.paged_attention import PagedAttention, SequenceSlice
 from mlsyslab.nn.rope import RopeScaling
 from mlsyslab.specs import catalog
+from tests.nn.hf_logits import assert_as_exact_as_hf
 
 TINY = {"vocab": 96, "hidden": 32, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 8, "ffn_hidden": 64,
         "rope_theta": 1000.0, "rms_norm_eps": 1e-6, "max_seq": 256}
@@ -40,8 +41,7 @@ def test_logits_equal_hf_llama_on_the_same_weights(tmp_path, changes):
     assert theirs.config.tie_word_embeddings == ours.config.tied_embeddings
     assert LlamaConfig.from_hf(theirs.config) == ours.config  # the rope scaling too, as transformers read it
     ids = torch.randint(ours.config.vocab, (3, 40))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(ids), theirs(ids).logits, atol=2e-5, rtol=1e-5)
+    assert_as_exact_as_hf(ours, theirs, ids)
 
 
 def test_hf_checkpoint_loads_into_ours(tmp_path):
@@ -54,8 +54,7 @@ def test_hf_checkpoint_loads_into_ours(tmp_path):
     ours = load_hf_folder(tmp_path)
     assert ours.config == LlamaConfig(**TINY, tied_embeddings=False)
     ids = torch.randint(TINY["vocab"], (2, 33))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(ids), theirs(ids).logits, atol=2e-5, rtol=1e-5)
+    assert_as_exact_as_hf(ours, theirs, ids)
 
 
 @pytest.mark.parametrize("window", [None, 16])
@@ -73,8 +72,7 @@ def test_a_mistral_checkpoint_loads_and_equals_hf_mistral(tmp_path, window):
     ours = load_hf_folder(tmp_path)
     assert ours.config.max_seq == (window or 64)
     ids = torch.randint(96, (2, ours.config.max_seq))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(ids), theirs(ids).logits, atol=2e-5, rtol=1e-5)
+    assert_as_exact_as_hf(ours, theirs, ids)
 
 
 @pytest.mark.parametrize("window", [None, 16])
@@ -100,8 +98,7 @@ def test_phi3_and_qwen_checkpoints_load_and_equal_transformers(tmp_path, family,
     assert (ours.config.qkv_bias, ours.config.qk_norm) == (family == "qwen2", family == "qwen3")
     assert ours.config.tied_embeddings and ours.config.max_seq == (window or 64)
     ids = torch.randint(96, (2, ours.config.max_seq))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(ids), theirs(ids).logits, atol=2e-5, rtol=1e-5)
+    assert_as_exact_as_hf(ours, theirs, ids)
 
 
 def test_packed_paged_path_equals_training_path():

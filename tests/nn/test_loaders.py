@@ -20,6 +20,7 @@ from mlsyslab.nn.hf_loader import load_hf_folder
 from mlsyslab.nn.llama import Llama, LlamaConfig
 from mlsyslab.nn.pretrained import load_pretrained, resolve_folder
 from mlsyslab.nn.rope import RopeScaling, base_frequencies
+from tests.nn.hf_logits import assert_as_exact_as_hf
 
 CONFIG = LlamaConfig(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, ffn_hidden=48,
                      rope_theta=50000.0, rms_norm_eps=1e-5, tied_embeddings=False, max_seq=128)
@@ -114,8 +115,7 @@ def test_gguf_round_trip_restores_every_weight(tmp_path, family):
     assert cached_hf_folder(tmp_path / "tiny.gguf", tmp_path / "cache") == folder  # converted once
     theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32).eval()
     ids = torch.randint(CONFIG.vocab, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(ids), theirs(ids).logits, atol=2e-5, rtol=1e-5)
+    assert_as_exact_as_hf(loaded, theirs, ids)
 
 
 @pytest.mark.parametrize("scaling", [RopeScaling("llama3", 8.0), RopeScaling("linear", 4.0)])

@@ -349,12 +349,11 @@ def add_projection(residual: torch.Tensor, linear: nn.Module, x: torch.Tensor) -
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x²) + eps) · weight as one `F.rms_norm` call, accumulated in fp32 whatever x's dtype.
+    """x / sqrt(mean(x²) + eps) · weight, accumulated in fp32 whatever x's dtype and rounded once, at the end.
 
-    In fp32 bit-equal to HF's weight * (x * rsqrt(mean(x²) + eps)). For 16-bit x, HF rounds the
-    normalised x to 16 bits before multiplying by the weight; `F.rms_norm` rounds once, at the end —
-    closer to the exact value (tests/nn/test_llama.py). Its backward is one C++ pass where it applies
-    (`nn.training_kernels`); the serving copy's forward is one too (`nn.cpu_kernels.KernelRMSNorm`)."""
+    For 16-bit x, HF rounds the normalised x to 16 bits before multiplying by the weight; rounding once is closer to
+    the exact value (tests/nn/test_llama.py). On a CPU forward and backward are one C++ pass each, the serving copy's
+    forward kernel with gradients or without (`nn.training_kernels`); elsewhere one `F.rms_norm` call."""
 
     def __init__(self, hidden: int, eps: float):
         super().__init__()

@@ -1,21 +1,26 @@
-"""The training path's RMSNorm, rope and SwiGLU activation as autograd functions, each backward one pass.
+"""The training model's RMSNorm, rope and SwiGLU activation: each forward one pass, and where gradients are wanted an
+autograd function whose backward is one pass too.
 
 On CPU PyTorch's autograd takes F.rms_norm apart into its composite formula (ten-odd kernels over the whole
 activation in the backward, and fp32 copies of the input and the normalised input kept for it), rope's
 concatenation of halves into slices and zero-filled copies, and silu(gate) * up into three kernels (silu(gate)
-kept too). Here, wherever gradients are wanted:
-- `rms_norm`: forward torch's own `_fused_rms_norm` (what F.rms_norm runs; it returns the reciprocal RMS), keeping
-  the input and that rstd; backward `rms_norm_backward`;
-- `rope`: forward `nn.rope.apply_rope`, keeping cos and sin; backward the rotation by minus the angle (the
-  transpose of a rotation), the serving copy's kernel `rope_` with the sin negated;
-- `silu_and_mul`: forward torch's F.silu(gate) * up, keeping gate and up; backward `silu_and_mul_backward`.
-The backward passes are C++ (csrc/layer_grads.cpp) for fp32 and bf16 CPU tensors where the kernels build, the same
-formulas in PyTorch ops elsewhere (fp64, no compiler, and for rope and silu·up GPUs; on a GPU F.rms_norm is torch's
-fused kernel, whose backward keeps the same input and rstd), so what a layer keeps for backward is the same on every
-device (`predict.memory.eager_activation_bytes_per_layer` counts it). Every forward gives the plain ops' bits, so a
-pass with gradients and one without see the same numbers (RLHF's first ratio of new to old log-probabilities is
-exactly 1); the gradients differ from autograd's by rounding (tests/nn/test_training_kernels.py). DTensors (torch's
-own tensor parallelism) keep the plain ops.
+kept too); their forwards are several kernels each (F.rms_norm on a CPU: square, mean, add, rsqrt, two multiplies).
+Here, for fp32 and bf16 CPU tensors where the C++ kernels build (`on_kernels`), every forward is the serving copy's
+one-pass kernel (csrc/layer_ops.cpp: `rms_norm`, `rope_`, `silu_and_mul`), with gradients or without, so a pass with
+gradients and one without see the same numbers (RLHF's first ratio of new to old log-probabilities is exactly 1), and
+the same as the serving copy's layers. Where gradients are wanted:
+- `rms_norm` keeps the input and each row's fp32 rstd (the kernel's `rms_norm_rstd` returns it, as torch's
+  `_fused_rms_norm` does); backward `rms_norm_backward`;
+- `rope` keeps cos and sin; backward the rotation by minus the angle (the transpose of a rotation), `rope_` with the
+  sin negated;
+- `silu_and_mul` keeps gate and up; backward `silu_and_mul_backward`.
+The backward passes are C++ (csrc/layer_grads.cpp). Elsewhere (fp64, no compiler, and for rope and silu·up GPUs) the
+same functions run torch's ops — `_fused_rms_norm`, `apply_rope`, F.silu(gate) * up — and the same backward formulas
+in PyTorch ops; on a GPU the norm is F.rms_norm, torch's fused kernel, whose backward keeps the same input and rstd.
+So what a layer keeps for backward is the same on every device (`predict.memory.eager_activation_bytes_per_layer`
+counts it). The kernels' forwards are within a rounding of torch's ops (in bf16 rope and silu·up bit-equal; the
+norm's sum of squares runs in another order) and the gradients as close to exact as autograd's
+(tests/nn/test_training_kernels.py). DTensors (torch's own tensor parallelism) keep the plain ops.
 """
 
 from __future__ import annotations
@@ -28,13 +33,16 @@ from mlsyslab.nn import cpu_kernels
 from mlsyslab.nn.rope import apply_rope
 
 
-def applies(*tensors: torch.Tensor) -> bool:
-    """Whether these tensors take the functions here: some need a gradient, all plain floating-point tensors of one
-    dtype and device."""
+def plain(*tensors: torch.Tensor) -> bool:
+    """Whether these are plain floating-point tensors (not DTensors or another subclass) of one dtype and device."""
     first = tensors[0]
-    return (torch.is_grad_enabled() and any(t.requires_grad for t in tensors) and first.is_floating_point()
-            and all(type(t) in (torch.Tensor, nn.Parameter) and t.dtype == first.dtype and t.device == first.device
-                    for t in tensors))
+    return first.is_floating_point() and all(type(t) in (torch.Tensor, nn.Parameter) and t.dtype == first.dtype
+                                             and t.device == first.device for t in tensors)
+
+
+def applies(*tensors: torch.Tensor) -> bool:
+    """Whether these tensors take the autograd functions here: some need a gradient, all `plain`."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors) and plain(*tensors)
 
 
 on_kernels = cpu_kernels.serves  # whether the C++ backward takes a tensor: fp32 or bf16 on a CPU, the kernels built
@@ -43,7 +51,10 @@ on_kernels = cpu_kernels.serves  # whether the C++ backward takes a tensor: fp32
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        out, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        if on_kernels(x):
+            out, rstd = cpu_kernels.load().rms_norm_rstd(x, weight, eps)
+        else:
+            out, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return out
 
@@ -61,9 +72,12 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """F.rms_norm over the last dimension, as `RMSNormFunction` where gradients are wanted on a CPU."""
+    """F.rms_norm over the last dimension: as `RMSNormFunction` where gradients are wanted on a CPU, else on the
+    kernels where they take x."""
     if applies(x, weight) and x.device.type == "cpu":  # (under sequence parallelism x comes sequence-major: the copy is what it keeps)
         return RMSNormFunction.apply(x.contiguous(), weight, eps)
+    if on_kernels(x) and plain(x, weight):
+        return cpu_kernels.load().rms_norm(x.contiguous(), weight, eps)
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
@@ -71,15 +85,20 @@ class RopeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, signed_sin):
         ctx.save_for_backward(cos, signed_sin)
-        return apply_rope(x, cos, signed_sin)
+        return rotated(x, cos, signed_sin)
 
     @staticmethod
     def backward(ctx, grad):
         cos, signed_sin = ctx.saved_tensors
-        if not on_kernels(grad):
-            return apply_rope(grad, cos, -signed_sin), None, None
-        rows = (*grad.shape[:2], 1, grad.shape[-1])  # the tables per token, where they were broadcast over the batch
-        return cpu_kernels.rope(grad.contiguous().clone(), cos.expand(rows), (-signed_sin).expand(rows)), None, None
+        return rotated(grad, cos, -signed_sin), None, None
+
+
+def rotated(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """A rotated copy of x [B, T, heads, d]: `rope_` on a fresh copy where the kernels take x, else `apply_rope`."""
+    if not on_kernels(x):
+        return apply_rope(x, cos, signed_sin)
+    rows = (*x.shape[:2], 1, x.shape[-1])  # the tables per token, where they were broadcast over the batch
+    return cpu_kernels.rope(x.clone(memory_format=torch.contiguous_format), cos.expand(rows), signed_sin.expand(rows))
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -87,6 +106,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
     `RopeFunction` where gradients are wanted."""
     if x.dim() == 4 and applies(x, cos, signed_sin):
         return RopeFunction.apply(x, cos, signed_sin)
+    if x.dim() == 4 and plain(x, cos, signed_sin):
+        return rotated(x, cos, signed_sin)
     return apply_rope(x, cos, signed_sin)
 
 
@@ -94,7 +115,7 @@ class SiluAndMulFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
+        return activated(gate, up)
 
     @staticmethod
     def backward(ctx, grad):
@@ -112,4 +133,12 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """F.silu(gate) * up, as `SiluAndMulFunction` where gradients are wanted."""
     if applies(gate, up) and gate.shape == up.shape:
         return SiluAndMulFunction.apply(gate.contiguous(), up.contiguous())
+    if plain(gate, up) and gate.shape == up.shape:
+        return activated(gate.contiguous(), up.contiguous())
     return F.silu(gate) * up
+
+
+def activated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up of two contiguous tensors of one shape: `silu_and_mul` where the kernels take them."""
+    return cpu_kernels.silu_and_mul(gate, up) if on_kernels(gate) else F.silu(gate) * up
+

@@ -17,7 +17,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 // One row of each (T: float or c10::BFloat16).
-template <typename T> void rms_norm_row(const T* x, const T* weight, T* out, int64_t hidden, float eps);
+template <typename T> float rms_norm_row(const T* x, const T* weight, T* out, int64_t hidden, float eps);  // returns the rsqrt
 template <typename T> void silu_and_mul_span(const T* gate, const T* up, T* out, int64_t width);
 template <typename T> void rope_head(T* head, const T* cos, const T* sin, int64_t head_dim);
 

@@ -5,7 +5,7 @@
 // backward over [1024, 512] fp32 took 13-17 ms on one Sapphire Rapids thread where one multiply over the same
 // tensor takes 0.3 (2026-12-02). Here each is one pass over its rows, arithmetic in fp32, results rounded once:
 //   rms_norm_backward:     x̂ = x·rstd, gw = g·w:  dx = rstd·(gw − x̂·mean(gw·x̂)),  dw = Σ_rows g·x̂
-//                          (rstd as torch's `_fused_rms_norm` returns it, so the forward stays torch's own);
+//                          (rstd as the forward `rms_norm_rstd`, or torch's `_fused_rms_norm`, returns it);
 //   silu_and_mul_backward: s = σ(gate):  d_up = g·silu(gate) (silu rounded as the forward rounded it),
 //                          d_gate = g·up·s·(1 + gate·(1 − s)).
 // dw's sum runs over fixed blocks of rows, then over the blocks in order: the same bits at any thread count.

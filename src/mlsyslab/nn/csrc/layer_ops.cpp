@@ -6,7 +6,8 @@
 // each paying dispatch and a trip through caches the matmul just flushed (docs/serving.md profile).
 // Arithmetic is fp32; bf16 results round where PyTorch's (and HF's) bf16 code rounds, so outputs
 // stay bit-comparable with the reference (tests/nn/test_cpu_kernels.py):
-//   rms_norm:     x · rsqrt(mean(x²) + eps) · w, rounded once (as torch's fused F.rms_norm);
+//   rms_norm:     x · rsqrt(mean(x²) + eps) · w, rounded once (as torch's fused F.rms_norm); `rms_norm_rstd` also
+//                 returns each row's rsqrt in fp32, what the training path's backward takes (nn.training_kernels);
 //   silu_and_mul: silu(gate) rounded, times up, rounded (as F.silu(gate) * up);
 //   rope_:        x·cos and rotate_half(x)·sin rounded, then their sum (as HF's apply_rotary_pos_emb).
 #include <ATen/core/Tensor.h>
@@ -31,9 +32,12 @@ using namespace mlsyslab;
 constexpr int64_t kGrain = 1 << 14;  // elements per thread below which splitting costs more than it saves
 
 template <typename T>
-void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t hidden, float eps) {
+void rms_norm_rows(const T* x, const T* w, T* out, float* rstd, int64_t rows, int64_t hidden, float eps) {
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / hidden), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) rms_norm_row(x + r * hidden, w, out + r * hidden, hidden, eps);
+    for (int64_t r = begin; r < end; ++r) {
+      const float inverse = rms_norm_row(x + r * hidden, w, out + r * hidden, hidden, eps);
+      if (rstd != nullptr) rstd[r] = inverse;
+    }
   });
 }
 
@@ -64,7 +68,7 @@ namespace mlsyslab {
 // order changed, so bf16 results moved by a rounding here and there (greedy bf16 tokens of 2 in 10 prompts parted
 // after 8 and 11 tokens; neither order is HF's, whose bf16 norm rounds before the weight: `nn.llama.RMSNorm`).
 template <typename T>
-void rms_norm_row(const T* x, const T* w, T* out, int64_t hidden, float eps) {
+float rms_norm_row(const T* x, const T* w, T* out, int64_t hidden, float eps) {
   Floats running = {};
   int64_t i = 0;
   for (; i + kLanes <= hidden; i += kLanes) {
@@ -76,6 +80,7 @@ void rms_norm_row(const T* x, const T* w, T* out, int64_t hidden, float eps) {
   const float inverse = static_cast<float>(1.0 / std::sqrt(double(squares / hidden + eps)));
   for (i = 0; i + kLanes <= hidden; i += kLanes) store_lanes(out + i, load_lanes(x + i) * inverse * load_lanes(w + i));
   for (; i < hidden; ++i) out[i] = narrow<T>(widen(x[i]) * inverse * widen(w[i]));
+  return inverse;
 }
 
 // A vector at a time, in vec.h's lanes and exp. Left to the compiler, the scalar loop came out in 8-lane halves on
@@ -126,8 +131,8 @@ void rope_head(T* __restrict v, const T* __restrict c, const T* __restrict s, in
   }
 }
 
-template void rms_norm_row(const float*, const float*, float*, int64_t, float);
-template void rms_norm_row(const c10::BFloat16*, const c10::BFloat16*, c10::BFloat16*, int64_t, float);
+template float rms_norm_row(const float*, const float*, float*, int64_t, float);
+template float rms_norm_row(const c10::BFloat16*, const c10::BFloat16*, c10::BFloat16*, int64_t, float);
 template void silu_and_mul_span(const float*, const float*, float*, int64_t);
 template void silu_and_mul_span(const c10::BFloat16*, const c10::BFloat16*, c10::BFloat16*, int64_t);
 template void rope_head(float*, const float*, const float*, int64_t);
@@ -138,18 +143,37 @@ void check_float_or_bf16(const at::Tensor& t, const char* name) {
               name, ": an fp32 or bf16 CPU tensor, got ", t.scalar_type(), " on ", t.device());
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+// out (and with `rstd`, each row's rsqrt(mean(x²) + eps) in fp32 [..., 1], as torch's _fused_rms_norm returns it).
+at::Tensor rms_norm_into(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor* rstd) {
   check_float_or_bf16(x, "x");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.dim() == 1 && x.size(-1) == weight.size(0) &&
               weight.scalar_type() == x.scalar_type(), "x [..., hidden] and weight [hidden]: contiguous, one dtype");
   auto out = at::empty_like(x);
   const int64_t hidden = weight.size(0), rows = x.numel() / std::max<int64_t>(hidden, 1);
+  float* inverses = nullptr;
+  if (rstd != nullptr) {
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = 1;
+    *rstd = at::empty(shape, x.options().dtype(at::kFloat));
+    inverses = rstd->data_ptr<float>();
+  }
   if (x.scalar_type() == at::kFloat)
-    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), rows, hidden, float(eps));
+    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), inverses, rows, hidden,
+                  float(eps));
   else
-    rms_norm_rows(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows,
-                  hidden, float(eps));
+    rms_norm_rows(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(),
+                  inverses, rows, hidden, float(eps));
   return out;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return rms_norm_into(x, weight, eps, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_rstd(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor rstd;
+  auto out = rms_norm_into(x, weight, eps, &rstd);
+  return {out, rstd};
 }
 
 at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
@@ -184,6 +208,7 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
 
 TORCH_LIBRARY_FRAGMENT(mlsyslab, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &mlsyslab::rms_norm);
+  m.def("rms_norm_rstd(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)", &mlsyslab::rms_norm_rstd);
   m.def("silu_and_mul(Tensor gate, Tensor up) -> Tensor", &mlsyslab::silu_and_mul);
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", &mlsyslab::rope_);
 }
