@@ -171,3 +171,56 @@ def test_inputs_laid_out_sequence_major_take_the_functions_too():
             (x, weight), grad, "kernels")
     compare(training_kernels.silu_and_mul, lambda g, u: F.silu(g) * u, (x, x.flip(0)), grad, "kernels")
 
+
+def sdpa(q, k, v):
+    """torch's causal attention of [B, T, heads, d] tensors (grouped-query)."""
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                          enable_gqa=True).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 37, 4, 2, 16), (1, 130, 6, 2, 80), (2, 64, 2, 2, 64), (1, 1, 4, 1, 32)])
+def test_causal_attention(dtype, shape):
+    """Forward and gradients against fp64 within 4x torch's SDPA's own error (a block boundary, tails of a block and
+    of a vector, grouped and plain heads, one token), the same bits with gradients and without."""
+    batch, tokens, heads, kv_heads, dim = shape
+    generator = torch.Generator().manual_seed(tokens)
+    q, k, v = (torch.randn(batch, tokens, n, dim, generator=generator).to(dtype) for n in (heads, kv_heads, kv_heads))
+    grad = torch.randn(batch, tokens, heads, dim, generator=generator).to(dtype)
+    ours_out, ours = gradients(training_kernels.causal_attention, leaves(q, k, v), grad)
+    assert ours_out.shape == (batch, tokens, heads, dim) and ours_out.dtype == dtype
+    theirs_out, theirs = gradients(sdpa, leaves(q, k, v), grad)
+    exact_out, exact = gradients(sdpa, leaves(q.double(), k.double(), v.double()), grad.double())
+    for mine, torch_own, truth in zip([ours_out, *ours], [theirs_out, *theirs], [exact_out, *exact]):
+        ours_error = (mine.double() - truth).abs().max().item()
+        torch_error = (torch_own.double() - truth).abs().max().item()
+        assert ours_error <= 4 * torch_error + 1e-6 * truth.abs().max().item(), (ours_error, torch_error)
+    with torch.no_grad():
+        assert torch.equal(training_kernels.causal_attention(q, k, v), ours_out)
+    assert training_kernels.causal_attention(*leaves(q, k, v)).grad_fn.name() == "CausalAttentionFunctionBackward"
+
+
+def test_causal_attention_takes_strided_heads_and_leaves_the_rest_to_torch():
+    """q, k, v as views of one fused projection (token rows wider than the heads) take the kernel; head_dim 8 and
+    fp64 keep torch's attention."""
+    generator = torch.Generator().manual_seed(0)
+    fused = torch.randn(2, 40, 8 * 32, generator=generator)
+    q, k, v = fused[..., :128].view(2, 40, 4, 32), fused[..., 128:192].view(2, 40, 2, 32), fused[..., 192:].view(
+        2, 40, 2, 32)
+    assert not q.is_contiguous()
+    torch.testing.assert_close(training_kernels.causal_attention(q, k, v), sdpa(q, k, v))
+    small = torch.randn(1, 5, 2, 8, generator=generator, requires_grad=True)
+    assert training_kernels.causal_attention(small, small, small).grad_fn.name() != "CausalAttentionFunctionBackward"
+    wide = small.detach().double().requires_grad_()
+    assert training_kernels.causal_attention(wide, wide, wide).grad_fn.name() != "CausalAttentionFunctionBackward"
+
+
+def test_causal_attention_refuses_mismatched_input():
+    kernels = cpu_kernels.load()
+    q, k = torch.randn(1, 4, 4, 16), torch.randn(1, 4, 3, 16)
+    with pytest.raises(RuntimeError, match="kv_heads dividing heads"):
+        kernels.causal_attention_forward(q, k, k)
+    with pytest.raises(RuntimeError, match="head_dim: a multiple"):
+        kernels.causal_attention_forward(*(torch.randn(1, 4, 2, 12) for _ in range(3)))
+    with pytest.raises(RuntimeError, match="v: "):
+        kernels.causal_attention_forward(q, q[:, :, :2], q[:, :, :2].double())

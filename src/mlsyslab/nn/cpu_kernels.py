@@ -1,13 +1,15 @@
-"""Builds and loads the C++ kernels of the CPU serving path and of the training path's backward (`nn/csrc/*.cpp`,
+"""Builds and loads the C++ kernels of the CPU serving path and of the training model's layers (`nn/csrc/*.cpp`,
 ops `torch.ops.mlsyslab.*`).
 
 - `paged_decode_attention` (csrc/paged_decode.cpp): decode attention reading the paged KV cache in
   place, fp32 or bf16 cache; used by `nn.paged_attention`.
-- `rms_norm`, `silu_and_mul`, `rope_` (csrc/layer_ops.cpp): a decoder layer's per-token steps as one
-  pass each; the serving copy of the model (`nn.packed_linear.packed_for_inference`) uses them
-  through `KernelRMSNorm`, `silu_and_mul` and `rope`.
+- `rms_norm` (and `rms_norm_rstd`), `silu_and_mul`, `rope_` (csrc/layer_ops.cpp): a decoder layer's per-token steps
+  as one pass each; the serving copy of the model (`nn.packed_linear.packed_for_inference`) uses them through
+  `KernelRMSNorm`, `silu_and_mul` and `rope`, the training model through `nn.training_kernels`.
 - `rms_norm_backward`, `silu_and_mul_backward` (csrc/layer_grads.cpp): the training path's backward of RMSNorm and
   of silu(gate)·up in one pass each, through `nn.training_kernels` (with `rope_` for rope's backward).
+- `causal_attention_forward`, `causal_attention_backward` (csrc/causal_attention.cpp): the training model's causal
+  attention and its FlashAttention-2 backward, through `nn.training_kernels.causal_attention`.
 - `prompt_attention` (csrc/prompt_attention.cpp): causal attention of a step's whole prompts on AMX tiles (bf16,
   head_dim 32/64/128, `serves_prompt_attention`); used by `nn.paged_attention`.
 - `decode_layers` (csrc/decode_layers.cpp): a decode step through every decoder layer in one call, the

@@ -33,7 +33,6 @@ from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mlsyslab.errors import InvalidValue
@@ -365,7 +364,6 @@ class RMSNorm(nn.Module):
 
 
 def causal_attention(layer: int, q, k, v) -> torch.Tensor:
-    """The training path's attention: every token sees itself and the tokens before it in its row."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         is_causal=q.shape[1] > 1, enable_gqa=True)
-    return out.transpose(1, 2)
+    """The training path's attention: every token sees itself and the tokens before it in its row
+    (`nn.training_kernels.causal_attention`)."""
+    return training_kernels.causal_attention(q, k, v)

@@ -1,22 +1,25 @@
-"""The training model's RMSNorm, rope and SwiGLU activation: each forward one pass, and where gradients are wanted an
-autograd function whose backward is one pass too.
+"""The training model's RMSNorm, rope, SwiGLU activation and causal attention: each forward one pass, and where
+gradients are wanted an autograd function whose backward is one pass too.
 
 On CPU PyTorch's autograd takes F.rms_norm apart into its composite formula (ten-odd kernels over the whole
 activation in the backward, and fp32 copies of the input and the normalised input kept for it), rope's
 concatenation of halves into slices and zero-filled copies, and silu(gate) * up into three kernels (silu(gate)
 kept too); their forwards are several kernels each (F.rms_norm on a CPU: square, mean, add, rsqrt, two multiplies).
-Here, for fp32 and bf16 CPU tensors where the C++ kernels build (`on_kernels`), every forward is the serving copy's
-one-pass kernel (csrc/layer_ops.cpp: `rms_norm`, `rope_`, `silu_and_mul`), with gradients or without, so a pass with
-gradients and one without see the same numbers (RLHF's first ratio of new to old log-probabilities is exactly 1), and
-the same as the serving copy's layers. Where gradients are wanted:
+Here, for fp32 and bf16 CPU tensors where the C++ kernels build (`on_kernels`), every forward is one C++ pass — the
+norm, rope and silu·up the serving copy's kernels (csrc/layer_ops.cpp: `rms_norm`, `rope_`, `silu_and_mul`) — with
+gradients or without, so a pass with gradients and one without see the same numbers (RLHF's first ratio of new to old
+log-probabilities is exactly 1), and the same as the serving copy's layers. Where gradients are wanted:
 - `rms_norm` keeps the input and each row's fp32 rstd (the kernel's `rms_norm_rstd` returns it, as torch's
   `_fused_rms_norm` does); backward `rms_norm_backward`;
 - `rope` keeps cos and sin; backward the rotation by minus the angle (the transpose of a rotation), `rope_` with the
   sin negated;
-- `silu_and_mul` keeps gate and up; backward `silu_and_mul_backward`.
-The backward passes are C++ (csrc/layer_grads.cpp). Elsewhere (fp64, no compiler, and for rope and silu·up GPUs) the
-same functions run torch's ops — `_fused_rms_norm`, `apply_rope`, F.silu(gate) * up — and the same backward formulas
-in PyTorch ops; on a GPU the norm is F.rms_norm, torch's fused kernel, whose backward keeps the same input and rstd.
+- `silu_and_mul` keeps gate and up; backward `silu_and_mul_backward` (csrc/layer_grads.cpp);
+- `causal_attention` (csrc/causal_attention.cpp, head_dim a multiple of 16; the serving copy attends over its paged
+  cache instead) keeps q, k, v, the output and each row's fp32 log-sum-exp, as torch's CPU flash attention does;
+  backward FlashAttention-2's, recomputing the probabilities.
+Elsewhere (fp64, no compiler, GPUs) the same functions run torch's ops — `_fused_rms_norm`, `apply_rope`,
+F.silu(gate) * up, scaled_dot_product_attention — and the same backward formulas in PyTorch ops (attention: torch's
+own backward); on a GPU the norm is F.rms_norm, torch's fused kernel, whose backward keeps the same input and rstd.
 So what a layer keeps for backward is the same on every device (`predict.memory.eager_activation_bytes_per_layer`
 counts it). The kernels' forwards are within a rounding of torch's ops (in bf16 rope and silu·up bit-equal; the
 norm's sum of squares runs in another order) and the gradients as close to exact as autograd's
@@ -142,3 +145,28 @@ def activated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """F.silu(gate) * up of two contiguous tensors of one shape: `silu_and_mul` where the kernels take them."""
     return cpu_kernels.silu_and_mul(gate, up) if on_kernels(gate) else F.silu(gate) * up
 
+
+class CausalAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out, lse = cpu_kernels.load().causal_attention_forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return cpu_kernels.load().causal_attention_backward(grad.contiguous(), *ctx.saved_tensors)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of q [B, T, heads, d] over k, v [B, T, kv_heads, d] (grouped-query), scale 1/√d, as
+    [B, T, heads, d]: csrc/causal_attention.cpp where the kernels take the tensors (head_dim a multiple of 16), with
+    gradients (`CausalAttentionFunction`, keeping q, k, v, the output and each row's fp32 log-sum-exp, as torch's CPU
+    flash attention keeps them) or without; else torch's scaled_dot_product_attention."""
+    if plain(q, k, v) and on_kernels(q) and q.shape[-1] % 16 == 0:
+        if applies(q, k, v):
+            return CausalAttentionFunction.apply(q, k, v)
+        return cpu_kernels.load().causal_attention_forward(q, k, v)[0]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         is_causal=q.shape[1] > 1, enable_gqa=True)
+    return out.transpose(1, 2)
