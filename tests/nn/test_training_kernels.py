@@ -178,9 +178,18 @@ def sdpa(q, k, v):
                                           enable_gqa=True).transpose(1, 2)
 
 
+@pytest.fixture
+def one_thread():
+    """One thread, so that every (sequence, KV head) count takes the kernel (`causal_attention` wants one a thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(2, 37, 4, 2, 16), (1, 130, 6, 2, 80), (2, 64, 2, 2, 64), (1, 1, 4, 1, 32)])
-def test_causal_attention(dtype, shape):
+def test_causal_attention(dtype, shape, one_thread):
     """Forward and gradients against fp64 within 4x torch's SDPA's own error (a block boundary, tails of a block and
     of a vector, grouped and plain heads, one token), the same bits with gradients and without."""
     batch, tokens, heads, kv_heads, dim = shape
@@ -200,7 +209,7 @@ def test_causal_attention(dtype, shape):
     assert training_kernels.causal_attention(*leaves(q, k, v)).grad_fn.name() == "CausalAttentionFunctionBackward"
 
 
-def test_causal_attention_takes_strided_heads_and_leaves_the_rest_to_torch():
+def test_causal_attention_takes_strided_heads_and_leaves_the_rest_to_torch(one_thread):
     """q, k, v as views of one fused projection (token rows wider than the heads) take the kernel; head_dim 8 and
     fp64 keep torch's attention."""
     generator = torch.Generator().manual_seed(0)
@@ -213,6 +222,20 @@ def test_causal_attention_takes_strided_heads_and_leaves_the_rest_to_torch():
     assert training_kernels.causal_attention(small, small, small).grad_fn.name() != "CausalAttentionFunctionBackward"
     wide = small.detach().double().requires_grad_()
     assert training_kernels.causal_attention(wide, wide, wide).grad_fn.name() != "CausalAttentionFunctionBackward"
+
+
+def test_causal_attention_leaves_fewer_units_than_threads_to_torch():
+    """One (sequence, KV head) is the kernel's unit of work: with fewer of them than threads, torch's attention runs."""
+    q = torch.randn(1, 20, 4, 16, requires_grad=True)
+    k = torch.randn(1, 20, 2, 16, requires_grad=True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert training_kernels.causal_attention(q, k, k).grad_fn.name() == "CausalAttentionFunctionBackward"
+        torch.set_num_threads(3)
+        assert training_kernels.causal_attention(q, k, k).grad_fn.name() != "CausalAttentionFunctionBackward"
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_causal_attention_refuses_mismatched_input():

@@ -160,10 +160,13 @@ class CausalAttentionFunction(torch.autograd.Function):
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention of q [B, T, heads, d] over k, v [B, T, kv_heads, d] (grouped-query), scale 1/√d, as
-    [B, T, heads, d]: csrc/causal_attention.cpp where the kernels take the tensors (head_dim a multiple of 16), with
-    gradients (`CausalAttentionFunction`, keeping q, k, v, the output and each row's fp32 log-sum-exp, as torch's CPU
-    flash attention keeps them) or without; else torch's scaled_dot_product_attention."""
-    if plain(q, k, v) and on_kernels(q) and q.shape[-1] % 16 == 0:
+    [B, T, heads, d]: csrc/causal_attention.cpp where the kernels take the tensors (head_dim a multiple of 16) and
+    there is a (sequence, KV head) for every thread (the kernel's unit of work: with fewer, threads would idle where
+    torch's flash attention splits by query blocks too), with gradients (`CausalAttentionFunction`, keeping q, k, v,
+    the output and each row's fp32 log-sum-exp, as torch's CPU flash attention keeps them) or without; else torch's
+    scaled_dot_product_attention."""
+    units = q.shape[0] * k.shape[2]
+    if plain(q, k, v) and on_kernels(q) and q.shape[-1] % 16 == 0 and units >= torch.get_num_threads():
         if applies(q, k, v):
             return CausalAttentionFunction.apply(q, k, v)
         return cpu_kernels.load().causal_attention_forward(q, k, v)[0]
