@@ -272,6 +272,27 @@ def test_prompt_attention_of_a_prompt_does_not_depend_on_the_others():
 
 
 @needs_prompt_attention
+def test_prompt_attention_gives_each_rows_log_sum_exp():
+    """With `lse` [heads, tokens], each query row's log Σ exp(q·k/√d) over the keys it sees (what the training
+    model's backward takes), within fp32 rounding of the exact value; the output as without it."""
+    lengths = [5, 40]
+    q, k, v, starts, lens = packed_prompts(lengths, 4, 2, 64, seed=3)
+    out, plain = torch.empty(q.shape, dtype=torch.bfloat16), torch.empty(q.shape, dtype=torch.bfloat16)
+    lse = torch.empty(4, sum(lengths))
+    cpu_kernels.load().prompt_attention(q, k, v, starts, lens, out, lse)
+    cpu_kernels.load().prompt_attention(q, k, v, starts, lens, plain)
+    assert torch.equal(out, plain)
+    for start, length in zip(starts.tolist(), lengths):
+        queries = q[start:start + length].double().transpose(0, 1)  # [heads, tokens, d]
+        keys = k[start:start + length].double().transpose(0, 1).repeat_interleave(2, dim=0)
+        scores = queries @ keys.transpose(1, 2) / 8.0
+        scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+        torch.testing.assert_close(lse[:, start:start + length].double(), scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="lse: contiguous fp32"):
+        cpu_kernels.load().prompt_attention(q, k, v, starts, lens, out, torch.empty(4, 3))
+
+
+@needs_prompt_attention
 def test_prompt_attention_refuses_prompts_outside_the_tokens_and_other_dtypes():
     q, k, v, starts, lens = packed_prompts([8, 8], 4, 2, 64)
     out = torch.empty(q.shape, dtype=torch.bfloat16)

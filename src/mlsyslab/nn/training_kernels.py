@@ -14,9 +14,9 @@ log-probabilities is exactly 1), and the same as the serving copy's layers. Wher
 - `rope` keeps cos and sin; backward the rotation by minus the angle (the transpose of a rotation), `rope_` with the
   sin negated;
 - `silu_and_mul` keeps gate and up; backward `silu_and_mul_backward` (csrc/layer_grads.cpp);
-- `causal_attention` (csrc/causal_attention.cpp, head_dim a multiple of 16; the serving copy attends over its paged
-  cache instead) keeps q, k, v, the output and each row's fp32 log-sum-exp, as torch's CPU flash attention does;
-  backward FlashAttention-2's, recomputing the probabilities.
+- `causal_attention` (csrc/causal_attention.cpp, head_dim a multiple of 16; in bf16 on AMX tiles the forward is
+  csrc/prompt_attention.cpp's, the serving copy's prefill kernel) keeps q, k, v, the output and each row's fp32
+  log-sum-exp, as torch's CPU flash attention does; backward FlashAttention-2's, recomputing the probabilities.
 Elsewhere (fp64, no compiler, GPUs) the same functions run torch's ops — `_fused_rms_norm`, `apply_rope`,
 F.silu(gate) * up, scaled_dot_product_attention — and the same backward formulas in PyTorch ops (attention: torch's
 own backward); on a GPU the norm is F.rms_norm, torch's fused kernel, whose backward keeps the same input and rstd.
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlsyslab.nn import cpu_kernels
+from mlsyslab.nn.paged_attention import TILED_PROMPTS_UP_TO
 from mlsyslab.nn.rope import apply_rope
 
 
@@ -149,7 +150,7 @@ def activated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 class CausalAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v):
-        out, lse = cpu_kernels.load().causal_attention_forward(q, k, v)
+        out, lse = attention_forward(q, k, v, with_lse=True)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -169,7 +170,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     if plain(q, k, v) and on_kernels(q) and q.shape[-1] % 16 == 0 and units >= torch.get_num_threads():
         if applies(q, k, v):
             return CausalAttentionFunction.apply(q, k, v)
-        return cpu_kernels.load().causal_attention_forward(q, k, v)[0]
+        return attention_forward(q, k, v, with_lse=False)[0]
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          is_causal=q.shape[1] > 1, enable_gqa=True)
     return out.transpose(1, 2)
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, with_lse: bool):
+    """The kernels' causal attention of q [B, T, heads, d] (and `with_lse`, each row's log-sum-exp [B, heads, T] in
+    fp32, else None): in bf16 where the CPU has AMX tiles and `prompt_attention` takes it (head_dim 32, 64 or 128, up to
+    `TILED_PROMPTS_UP_TO` tokens: each sequence a whole prompt; its products on tiles, P rounded to bf16 as torch's
+    flash attention rounds it), else csrc/causal_attention.cpp's forward."""
+    batch, tokens, heads, dim = q.shape
+    if not (cpu_kernels.serves_prompt_attention(q) and tokens <= TILED_PROMPTS_UP_TO):
+        out, lse = cpu_kernels.load().causal_attention_forward(q, k, v)
+        return out, lse if with_lse else None
+    out = torch.empty(q.shape, dtype=q.dtype)
+    lse = torch.empty(heads, batch * tokens) if with_lse else None
+    starts = torch.arange(batch) * tokens
+    cpu_kernels.load().prompt_attention(q.reshape(-1, heads, dim), k.reshape(-1, *k.shape[2:]),
+                                        v.reshape(-1, *v.shape[2:]), starts, torch.full_like(starts, tokens),
+                                        out.view(-1, heads, dim), lse)
+    return out, None if lse is None else lse.view(heads, batch, tokens).transpose(0, 1).contiguous()

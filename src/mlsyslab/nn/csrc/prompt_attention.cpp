@@ -18,7 +18,9 @@
 // re-packing K and V for each query head; over 16 prompts of 128 tokens with SmolLM2's 9 heads (3 KV) it ran at
 // ~80 GFLOP/s on 2 threads of a Sapphire Rapids VM (3.2-3.8 ms a layer, 2026-12-02), where a TDPBF16PS loop here
 // reads 2-4 TFLOP/s a thread from L1 and L2. Used by `nn.paged_attention` for a step's whole prompts where the CPU
-// has AMX (`amx_ready`) and head_dim is 32, 64 or 128 (`cpu_kernels.serves_prompt_attention`).
+// has AMX (`amx_ready`) and head_dim is 32, 64 or 128 (`cpu_kernels.serves_prompt_attention`), and by the training
+// model's bf16 forward (`nn.training_kernels.causal_attention`), which also takes each row's log-sum-exp (`lse`) for
+// its backward (csrc/causal_attention.cpp).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -31,6 +33,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
@@ -76,7 +79,8 @@ struct Problem {
   const Bf16 *q, *k, *v;  // [tokens, heads or kv_heads, head_dim] with these token strides (elements)
   int64_t q_stride, k_stride, v_stride;
   Bf16* out;              // [tokens, heads, head_dim], contiguous
-  int64_t heads, kv_heads, head_dim;
+  float* lse;             // [heads, tokens]: each row's log Σ exp(s·scale), or nullptr
+  int64_t tokens, heads, kv_heads, head_dim;
   float scale;
 };
 
@@ -100,9 +104,9 @@ void lay_out(const Problem& p, int64_t first, int64_t length, int64_t padded, in
 
 // Rows r of the scores: exp(s·scale − max) over keys [0, first_query + r], rounded into P, 0 beyond (to `columns`:
 // the scores there, past the last key block or the query, are whatever the buffer held); the rows' sums of the fp32
-// weights into `totals`.
+// weights into `totals`, their maxima into `maxima`.
 void softmax_rows(const float* scores, int64_t columns, int64_t first_query, int64_t rows, float scale, Bf16* weights,
-                  float* totals) {
+                  float* totals, float* maxima) {
   for (int64_t r = 0; r < kBlock; ++r) {
     const float* s = scores + r * columns;
     Bf16* w = weights + r * columns;
@@ -119,6 +123,7 @@ void softmax_rows(const float* scores, int64_t columns, int64_t first_query, int
       top = (before(c) & (lanes > top)) ? lanes : top;
     }
     const float maximum = max(top);
+    maxima[r] = maximum;
     Floats total = {};
     int64_t c = 0;
     for (; c < seen; c += kLanes) {
@@ -170,7 +175,7 @@ void attend_head(const Problem& p, int64_t first, int64_t length, int64_t head, 
   b.weights.resize(kBlock * padded);
   b.sums.resize(kBlock * d);
   b.queries.resize(kBlock * d);
-  float totals[kBlock];
+  float totals[kBlock], maxima[kBlock];
   const int64_t q_bytes = d * int64_t(sizeof(Bf16));
   for (int64_t query = 0; query < length; query += kBlock) {
     const int64_t rows = std::min(kBlock, length - query);
@@ -186,7 +191,9 @@ void attend_head(const Problem& p, int64_t first, int64_t length, int64_t head, 
       three_products(b.queries.data(), q_bytes, pairs / kPairs, int(std::min<int64_t>(3, key_blocks - block)), kTileRow,
                      [&](int i, int64_t step) { return b.keys.data() + ((block + i) * pairs + step * kPairs) * kBlock; },
                      [&](int i) { return b.scores.data() + (block + i) * kBlock; }, score_bytes);
-    softmax_rows(b.scores.data(), columns, query, rows, p.scale, b.weights.data(), totals);
+    softmax_rows(b.scores.data(), columns, query, rows, p.scale, b.weights.data(), totals, maxima);
+    if (p.lse != nullptr)
+      for (int64_t r = 0; r < rows; ++r) p.lse[head * p.tokens + first + query + r] = maxima[r] + std::log(totals[r]);
     for (int64_t c = 0; c < d; c += 3 * kBlock)  // O = P·V, three blocks of 16 dims at a time
       three_products(b.weights.data(), columns * int64_t(sizeof(Bf16)), columns / kKeyChunk,
                      int(std::min<int64_t>(3, (d - c) / kBlock)), d * int64_t(sizeof(uint32_t)),
@@ -205,7 +212,7 @@ void attend_head(const Problem& p, int64_t first, int64_t length, int64_t head, 
 namespace mlsyslab {
 
 void prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& starts,
-                      const at::Tensor& lengths, at::Tensor& out) {
+                      const at::Tensor& lengths, at::Tensor& out, const std::optional<at::Tensor>& lse) {
   TORCH_CHECK(amx_ready(), "prompt_attention: needs AMX tiles (amx_ready)");
   for (const at::Tensor* t : {&q, &k, &v, static_cast<const at::Tensor*>(&out)})
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->stride(2) == 1 && t->stride(1) == t->size(2),
@@ -218,6 +225,8 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   TORCH_CHECK(starts.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && starts.dim() == 1 &&
               starts.sizes() == lengths.sizes() && starts.is_contiguous() && lengths.is_contiguous(),
               "starts, lengths: int64 [prompts]");
+  TORCH_CHECK(!lse || (lse->scalar_type() == at::kFloat && lse->is_contiguous() && lse->dim() == 2 &&
+                       lse->size(0) == heads && lse->size(1) == tokens), "lse: contiguous fp32 [heads, tokens]");
   const int64_t prompts = starts.size(0);
   const int64_t* first = starts.data_ptr<int64_t>();
   const int64_t* length = lengths.data_ptr<int64_t>();
@@ -225,7 +234,8 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     TORCH_CHECK(first[i] >= 0 && length[i] > 0 && first[i] + length[i] <= tokens, "prompt ", i, " (start ", first[i],
                 ", length ", length[i], ") outside the ", tokens, " tokens");
   const Problem p{q.data_ptr<c10::BFloat16>(), k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(), q.stride(0),
-                  k.stride(0), v.stride(0), out.data_ptr<c10::BFloat16>(), heads, kv_heads, d,
+                  k.stride(0), v.stride(0), out.data_ptr<c10::BFloat16>(), lse ? lse->data_ptr<float>() : nullptr,
+                  tokens, heads, kv_heads, d,
                   static_cast<float>(1.0 / std::sqrt(double(d)))};
   at::parallel_for(0, prompts * heads, 1, [&](int64_t begin, int64_t end) {
     thread_local Buffers buffers;
@@ -245,7 +255,7 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 namespace mlsyslab {
 
 void prompt_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                      at::Tensor&) {
+                      at::Tensor&, const std::optional<at::Tensor>&) {
   TORCH_CHECK(false, "prompt_attention: this build has no AMX tiles");
 }
 
@@ -254,7 +264,9 @@ void prompt_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, c
 #endif
 
 TORCH_LIBRARY_FRAGMENT(mlsyslab, m) {
-  // whole prompts' causal attention on AMX tiles: q/k/v [tokens, heads, d] bf16, prompts at starts, into out
-  m.def("prompt_attention(Tensor q, Tensor k, Tensor v, Tensor starts, Tensor lengths, Tensor(a!) out) -> ()",
+  // whole prompts' causal attention on AMX tiles: q/k/v [tokens, heads, d] bf16, prompts at starts, into out (and
+  // each row's log-sum-exp into lse [heads, tokens])
+  m.def("prompt_attention(Tensor q, Tensor k, Tensor v, Tensor starts, Tensor lengths, Tensor(a!) out, "
+        "Tensor(b!)? lse=None) -> ()",
         &mlsyslab::prompt_attention);
 }
