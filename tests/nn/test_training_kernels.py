@@ -224,6 +224,24 @@ def test_causal_attention_takes_strided_heads_and_leaves_the_rest_to_torch(one_t
     assert training_kernels.causal_attention(wide, wide, wide).grad_fn.name() != "CausalAttentionFunctionBackward"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_attention_does_not_depend_on_the_thread_count(dtype):
+    """Each (sequence, KV head) is one thread's from start to end: 1 and 2 threads give the same bits, forward and
+    backward."""
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 70, n, 64, generator=generator).to(dtype) for n in (4, 2, 2))
+    grad = torch.randn(2, 70, 4, 64, generator=generator).to(dtype)
+    threads, results = torch.get_num_threads(), []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            out, grads = gradients(training_kernels.causal_attention, leaves(q, k, v), grad)
+            results.append([out, *grads])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def test_causal_attention_leaves_fewer_units_than_threads_to_torch():
     """One (sequence, KV head) is the kernel's unit of work: with fewer of them than threads, torch's attention runs."""
     q = torch.randn(1, 20, 4, 16, requires_grad=True)
