@@ -5,6 +5,7 @@ import logging
 import os
 import platform
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,24 @@ def test_a_first_build_says_so_on_the_mlsyslab_logger_and_a_built_one_does_not(t
         cpu_kernels.load.__wrapped__()
     notices = [record.getMessage() for record in caplog.records if "C++ kernels" in record.getMessage()]
     assert len(notices) == 1 and str(tmp_path) in notices[0]
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch, caplog):
+    """torch's build waits forever on the lock file of a build that was killed; one older than a build could take is
+    removed before building (the build replaced as above), one that could be a running build's is left to it."""
+    from torch.utils import cpp_extension
+
+    seen = []
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", lambda build_directory, **_: seen.append(
+        (Path(build_directory) / "lock").exists()))
+    cpu_kernels.load.__wrapped__()  # makes the folder
+    lock = next(tmp_path.iterdir()) / "lock"
+    lock.touch()
+    os.utime(lock, (0, time.time() - cpu_kernels.STALE_BUILD_LOCK_S - 60))
+    with caplog.at_level(logging.WARNING, logger="mlsyslab"):
+        cpu_kernels.load.__wrapped__()
+    assert seen[-1] is False and "did not finish" in caplog.text
+    lock.touch()
+    cpu_kernels.load.__wrapped__()
+    assert seen[-1] is True

@@ -47,6 +47,7 @@ import math
 import os
 import platform
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -58,6 +59,7 @@ from mlsyslab.measure.host import cpu_description
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 HEAD_DIMS = (32, 64, 128)
 DTYPES = (torch.float32, torch.bfloat16)
+STALE_BUILD_LOCK_S = 15 * 60  # a build takes 1-2 minutes: a lock this old is a killed build's
 log = logging.getLogger(__name__)
 
 
@@ -94,6 +96,7 @@ def load():
             log.info("building mlsyslab's C++ kernels for this CPU into %s (first use only; ~1-2 minutes on 2 "
                      "cores)", folder)
         folder.mkdir(parents=True, exist_ok=True)
+        remove_stale_lock(folder)
         build(name=name, sources=[str(source) for source in SOURCES], build_directory=str(folder),
               is_python_module=False, extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
               extra_ldflags=["-fopenmp"])
@@ -102,6 +105,20 @@ def load():
                       "model's backward take their PyTorch paths (slower)", RuntimeWarning, stacklevel=2)
         return None
     return torch.ops.mlsyslab
+
+
+def remove_stale_lock(folder: Path) -> None:
+    """Remove the lock file torch's build keeps in `folder` while it builds, where it is older than
+    `STALE_BUILD_LOCK_S`: a build killed midway (Ctrl-C on the first `mlsys train`, a rank stopped) leaves it behind,
+    and every later load would wait on it forever (torch.utils.file_baton has no timeout)."""
+    lock = folder / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_BUILD_LOCK_S:
+        log.warning("removing %s, left %.0f minutes ago by a build that did not finish", lock, age / 60)
+        lock.unlink(missing_ok=True)
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype, in_background: bool = False) -> torch.Tensor:
