@@ -202,7 +202,7 @@ def print_table(out: dict) -> None:
     for r in out["rows"]:
         times = " | ".join(f"{r[f'{KEYS[who]}_median_s'] * 1e3:.1f} ms ({r[f'{KEYS[who]}_best_s'] * 1e3:.1f})" for who in WHO)
         losses = " / ".join(f"{r[f'first_loss_{KEYS[who]}']:.6f}" for who in WHO)
-        print(f"| {r['model']}, {r['batch']} x {r['seq']}, {r.get('dtype', 'fp32')} | {times} | {r['speedup_median']:.2f}x "
+        print(f"| {r['model']}, {r['batch']} x {r['seq']}, {r['dtype']} | {times} | {r['speedup_median']:.2f}x "
               f"({r['speedup_paired']:.2f}x) | "
               f"{r['speedup_gloo_median']:.2f}x | {r['matmul_floor_s'] * 1e3:.1f} ms ({r['matmul_gflop_per_rank']:.1f} GFLOP at "
               f"{r['gemm_gflop_per_s']:.0f} GFLOP/s) | {r['speedup_ceiling']:.2f}x | {losses} |")

@@ -26,8 +26,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -99,13 +99,9 @@ struct Heads {
   T* row(int64_t b, int64_t t, int64_t h) const { return data + b * batch_stride + t * token_stride + h * head_stride; }
 };
 
-template <typename T>
-void widen_row(const T* from, float* to, int64_t dim, float scale = 1.f) {
-  for (int64_t i = 0; i < dim; i += kLanes) store_lanes(to + i, load_lanes(from + i) * scale);
-}
-
-template <typename T>
-void narrow_row(const float* from, T* to, int64_t dim, float scale = 1.f) {
+// to = from · scale over a row of `dim` values: widened to fp32 (From a T) or rounded once into a T (To a T).
+template <typename From, typename To>
+void scaled_row(const From* from, To* to, int64_t dim, float scale = 1.f) {
   for (int64_t i = 0; i < dim; i += kLanes) store_lanes(to + i, load_lanes(from + i) * scale);
 }
 
@@ -113,7 +109,7 @@ void narrow_row(const float* from, T* to, int64_t dim, float scale = 1.f) {
 template <typename T>
 std::vector<float> widened(const Heads<T>& heads, int64_t b, int64_t g, int64_t tokens, int64_t padded, int64_t dim) {
   std::vector<float> rows(padded * dim);
-  for (int64_t t = 0; t < tokens; ++t) widen_row(heads.row(b, t, g), rows.data() + t * dim, dim);
+  for (int64_t t = 0; t < tokens; ++t) scaled_row(heads.row(b, t, g), rows.data() + t * dim, dim);
   return rows;
 }
 
@@ -150,7 +146,7 @@ void forward_unit(const Problem<T>& p, Heads<T> out, float* lse, int64_t b, int6
   for (int64_t h = g * p.group(); h < (g + 1) * p.group(); ++h) {
     for (int64_t first = 0; first < p.tokens; first += kQueryBlock) {
       const int64_t rows = std::min(kQueryBlock, p.tokens - first), seen = round_up(first + rows, kLanes);
-      for (int64_t r = 0; r < rows; ++r) widen_row(p.q.row(b, first + r, h), queries.data() + r * d, d, p.scale);
+      for (int64_t r = 0; r < rows; ++r) scaled_row(p.q.row(b, first + r, h), queries.data() + r * d, d, p.scale);
       product(queries.data(), d, 1, keys_t.data(), padded, rows, seen, d, scores.data(), padded, false);
       std::vector<float> inverse(rows);
       for (int64_t r = 0; r < rows; ++r) {
@@ -173,7 +169,7 @@ void forward_unit(const Problem<T>& p, Heads<T> out, float* lse, int64_t b, int6
         inverse[r] = 1.f / sum_exp;
       }
       product(scores.data(), padded, 1, values.data(), d, rows, d, seen, outputs.data(), d, false);
-      for (int64_t r = 0; r < rows; ++r) narrow_row(outputs.data() + r * d, out.row(b, first + r, h), d, inverse[r]);
+      for (int64_t r = 0; r < rows; ++r) scaled_row(outputs.data() + r * d, out.row(b, first + r, h), d, inverse[r]);
     }
   }
 }
@@ -185,18 +181,18 @@ void backward_unit(const Problem<T>& p, const Heads<T> grad, const Heads<T> out,
   const std::vector<float> keys = widened(p.k, b, g, p.tokens, padded, d), keys_t = transposed(keys, padded, d),
                            values_t = transposed(widened(p.v, b, g, p.tokens, padded, d), padded, d);
   std::vector<float> queries(kQueryBlock * d), grads(kQueryBlock * d), probabilities(kQueryBlock * padded),
-      dscores(kQueryBlock * padded), dqueries(kQueryBlock * d), dkeys(padded * d), dvalues(padded * d), row(d);
+      dscores(kQueryBlock * padded), dqueries(kQueryBlock * d), dkeys(padded * d), dvalues(padded * d);
   for (int64_t h = g * p.group(); h < (g + 1) * p.group(); ++h) {
     for (int64_t first = 0; first < p.tokens; first += kQueryBlock) {
       const int64_t rows = std::min(kQueryBlock, p.tokens - first), seen = round_up(first + rows, kLanes);
       std::vector<float> deltas(rows);
       for (int64_t r = 0; r < rows; ++r) {
-        widen_row(p.q.row(b, first + r, h), queries.data() + r * d, d, p.scale);
-        widen_row(grad.row(b, first + r, h), grads.data() + r * d, d);
-        widen_row(out.row(b, first + r, h), row.data(), d);
+        scaled_row(p.q.row(b, first + r, h), queries.data() + r * d, d, p.scale);
+        scaled_row(grad.row(b, first + r, h), grads.data() + r * d, d);
+        const T* output = out.row(b, first + r, h);
         Floats dot = {};
-        for (int64_t i = 0; i < d; i += kLanes) dot = fused_multiply_add(load_lanes(grads.data() + r * d + i),
-                                                                         load_lanes(row.data() + i), dot);
+        for (int64_t i = 0; i < d; i += kLanes)
+          dot = fused_multiply_add(load_lanes(grads.data() + r * d + i), load_lanes(output + i), dot);
         deltas[r] = sum(dot);
       }
       product(queries.data(), d, 1, keys_t.data(), padded, rows, seen, d, probabilities.data(), padded, false);
@@ -217,13 +213,13 @@ void backward_unit(const Problem<T>& p, const Heads<T> grad, const Heads<T> out,
           store_lanes(ds + j, load_lanes(pr + j) * (load_lanes(ds + j) - deltas[r]));
       }
       product(dscores.data(), padded, 1, keys.data(), d, rows, d, seen, dqueries.data(), d, false);
-      for (int64_t r = 0; r < rows; ++r) narrow_row(dqueries.data() + r * d, dq.row(b, first + r, h), d, p.scale);
+      for (int64_t r = 0; r < rows; ++r) scaled_row(dqueries.data() + r * d, dq.row(b, first + r, h), d, p.scale);
       product(dscores.data(), 1, padded, queries.data(), d, seen, d, rows, dkeys.data(), d, true);
     }
   }
   for (int64_t t = 0; t < p.tokens; ++t) {
-    narrow_row(dkeys.data() + t * d, dk.row(b, t, g), d);
-    narrow_row(dvalues.data() + t * d, dv.row(b, t, g), d);
+    scaled_row(dkeys.data() + t * d, dk.row(b, t, g), d);
+    scaled_row(dvalues.data() + t * d, dv.row(b, t, g), d);
   }
 }
 
@@ -249,11 +245,17 @@ Problem<T> problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
           float(1.0 / std::sqrt(double(q.size(3))))};
 }
 
-template <typename T>
-void over_units(const Problem<T>& p, const std::function<void(int64_t, int64_t)>& unit) {
-  at::parallel_for(0, p.batch * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) unit(u / p.kv_heads, u % p.kv_heads);
-  });
+// unit(problem, b, g) for every (sequence b, KV head g) of q, k, v, one thread each, in q's element type.
+template <typename Unit>
+void over_units(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Unit unit) {
+  const auto run = [&](auto zero) {
+    const auto p = problem<decltype(zero)>(q, k, v);
+    at::parallel_for(0, p.batch * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t u = begin; u < end; ++u) unit(p, u / p.kv_heads, u % p.kv_heads);
+    });
+  };
+  if (q.scalar_type() == at::kFloat) run(float{});
+  else run(c10::BFloat16{});
 }
 
 }  // namespace
@@ -264,13 +266,10 @@ std::tuple<at::Tensor, at::Tensor> causal_attention_forward(const at::Tensor& q,
                                                             const at::Tensor& v) {
   auto out = at::empty(q.sizes(), q.options());
   auto lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
-  const auto run = [&](auto zero) {
-    using T = decltype(zero);
-    const auto p = problem<T>(q, k, v);
-    over_units(p, [&](int64_t b, int64_t g) { forward_unit(p, Heads<T>(out), lse.data_ptr<float>(), b, g); });
-  };
-  if (q.scalar_type() == at::kFloat) run(float{});
-  else run(c10::BFloat16{});
+  over_units(q, k, v, [&](const auto& p, int64_t b, int64_t g) {
+    using T = std::remove_pointer_t<decltype(p.q.data)>;
+    forward_unit(p, Heads<T>(out), lse.data_ptr<float>(), b, g);
+  });
   return {out, lse};
 }
 
@@ -283,16 +282,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
   check_heads(out, "out", q, q.size(2));
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 3 && lse.size(0) == q.size(0) &&
               lse.size(1) == q.size(2) && lse.size(2) == q.size(1), "lse: contiguous fp32 [batch, heads, tokens]");
-  const auto run = [&](auto zero) {
-    using T = decltype(zero);
-    const auto p = problem<T>(q, k, v);
-    over_units(p, [&](int64_t b, int64_t g) {
-      backward_unit(p, Heads<T>(grad), Heads<T>(out), lse.data_ptr<float>(), Heads<T>(dq), Heads<T>(dk),
-                    Heads<T>(dv), b, g);
-    });
-  };
-  if (q.scalar_type() == at::kFloat) run(float{});
-  else run(c10::BFloat16{});
+  over_units(q, k, v, [&](const auto& p, int64_t b, int64_t g) {
+    using T = std::remove_pointer_t<decltype(p.q.data)>;
+    backward_unit(p, Heads<T>(grad), Heads<T>(out), lse.data_ptr<float>(), Heads<T>(dq), Heads<T>(dk), Heads<T>(dv),
+                  b, g);
+  });
   return {dq, dk, dv};
 }
 
