@@ -4,8 +4,11 @@ the bubble measured from our executed timeline beside the schedule's analytic on
     python benchmarks/pipeline.py           # ~3 min on 2 cores; writes benchmarks/results/pipeline.json
 
 p = 2 spawned ranks (gloo, one thread each, one core each), m = 8 microbatches of 2 sequences x 128
-tokens, an 8-layer Llama (hidden 512, FFN 1536, vocab 512, fp32) cut into equal stages; for GPipe, 1F1B and
-interleaved 1F1B (v = 2):
+tokens, an 8-layer Llama (hidden 512, FFN 1536, fp32) cut into equal stages; for GPipe, 1F1B and
+interleaved 1F1B (v = 2). Its vocabulary is 128 words so that the stages are equal: the analytic bubble assumes they
+are, and the last stage also runs the final norm, the output layer and the loss — with 512 words the chunk holding
+them took 8-10% longer than the other three under v = 2 (2026-12-02, Sapphire Rapids host: 102-107 against 93-98 ms a
+forward), adding ~2 points to every interleaved bubble; with 128 they cost ~1% of a 2-layer chunk:
 - ours: `parallel.pipeline.PipelineRank.step` (schedule as data, send/recv on our Wire);
 - torch: `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B` over `PipelineStage`s of the
   very same stage modules (`parallel.pipeline.StageChunk`) and weights.
@@ -38,7 +41,7 @@ from mlsyslab.parallel.pipeline import PipelineRank, StageChunk, executed_timeli
 from mlsyslab.parallel.schedules import build
 
 RESULTS = ROOT / "benchmarks" / "results" / "pipeline.json"
-CONFIG = LlamaConfig(vocab=512, hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, ffn_hidden=1536,
+CONFIG = LlamaConfig(vocab=128, hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, ffn_hidden=1536,
                      tied_embeddings=False, max_seq=128)
 SCHEDULES = (("gpipe", 1, ScheduleGPipe), ("1f1b", 1, Schedule1F1B), ("interleaved", 2, ScheduleInterleaved1F1B))
 LR = 1e-3
