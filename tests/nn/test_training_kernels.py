@@ -188,7 +188,8 @@ def one_thread():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(2, 37, 4, 2, 16), (1, 130, 6, 2, 80), (2, 64, 2, 2, 64), (1, 1, 4, 1, 32)])
+@pytest.mark.parametrize("shape", [(2, 37, 4, 2, 16), (1, 130, 6, 2, 80), (2, 64, 2, 2, 64), (1, 1, 4, 1, 32),
+                                   (2, 100, 4, 2, 64), (1, 45, 2, 1, 128)])
 def test_causal_attention(dtype, shape, one_thread):
     """Forward and gradients against fp64 within 4x torch's SDPA's own error (a block boundary, tails of a block and
     of a vector, grouped and plain heads, one token), the same bits with gradients and without."""
@@ -207,6 +208,32 @@ def test_causal_attention(dtype, shape, one_thread):
     with torch.no_grad():
         assert torch.equal(training_kernels.causal_attention(q, k, v), ours_out)
     assert training_kernels.causal_attention(*leaves(q, k, v)).grad_fn.name() == "CausalAttentionFunctionBackward"
+
+
+@pytest.mark.skipif(not cpu_kernels.serves_prompt_attention(torch.zeros(1, 1, 32, dtype=torch.bfloat16)),
+                    reason="no AMX tiles here")
+@pytest.mark.parametrize("shape", [(2, 100, 4, 2, 64), (1, 45, 2, 1, 128), (1, 77, 6, 3, 32), (3, 16, 2, 2, 96)])
+def test_the_backward_on_tiles_is_as_exact_as_the_vector_one(shape, one_thread):
+    """bf16 on AMX tiles (P and dS rounded to bf16 for their products, as torch's flash attention rounds P) against
+    fp64: within 4x torch's own error, as the FMA loops' backward (tiles=False) — query blocks and key tiles cut short,
+    grouped heads, head_dim 32 to 128."""
+    batch, tokens, heads, kv_heads, dim = shape
+    generator = torch.Generator().manual_seed(tokens)
+    q, k, v = (torch.randn(batch, tokens, n, dim, generator=generator).bfloat16() for n in (heads, kv_heads, kv_heads))
+    grad = torch.randn(batch, tokens, heads, dim, generator=generator).bfloat16()
+    out, lse = training_kernels.attention_forward(q, k, v, with_lse=True)
+    _, theirs = gradients(sdpa, leaves(q, k, v), grad)
+    _, exact = gradients(sdpa, leaves(q.double(), k.double(), v.double()), grad.double())
+    for tiles in (True, False):
+        ours = cpu_kernels.load().causal_attention_backward(grad, q, k, v, out, lse, tiles=tiles)
+        for mine, torch_own, truth in zip(ours, theirs, exact):
+            assert mine.dtype == torch.bfloat16 and mine.shape == truth.shape
+            ours_error = (mine.double() - truth).abs().max().item()
+            torch_error = (torch_own.double() - truth).abs().max().item()
+            assert ours_error <= 4 * torch_error + 1e-6 * truth.abs().max().item(), (tiles, ours_error, torch_error)
+    with pytest.raises(RuntimeError, match="tiles take bf16"):
+        cpu_kernels.load().causal_attention_backward(grad.float(), q.float(), k.float(), v.float(), out.float(), lse,
+                                                     tiles=True)
 
 
 def test_causal_attention_takes_strided_heads_and_leaves_the_rest_to_torch(one_thread):

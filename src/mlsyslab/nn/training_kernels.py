@@ -15,8 +15,9 @@ log-probabilities is exactly 1), and the same as the serving copy's layers. Wher
   sin negated;
 - `silu_and_mul` keeps gate and up; backward `silu_and_mul_backward` (csrc/layer_grads.cpp);
 - `causal_attention` (csrc/causal_attention.cpp, head_dim a multiple of 16; in bf16 on AMX tiles the forward is
-  csrc/prompt_attention.cpp's, the serving copy's prefill kernel) keeps q, k, v, the output and each row's fp32
-  log-sum-exp, as torch's CPU flash attention does; backward FlashAttention-2's, recomputing the probabilities.
+  csrc/prompt_attention.cpp's, the serving copy's prefill kernel, and the backward csrc/causal_attention_tiles.cpp's)
+  keeps q, k, v, the output and each row's fp32 log-sum-exp, as torch's CPU flash attention does; backward
+  FlashAttention-2's, recomputing the probabilities.
 Elsewhere (fp64, no compiler, GPUs) the same functions run torch's ops — `_fused_rms_norm`, `apply_rope`,
 F.silu(gate) * up, scaled_dot_product_attention — and the same backward formulas in PyTorch ops (attention: torch's
 own backward); on a GPU the norm is F.rms_norm, torch's fused kernel, whose backward keeps the same input and rstd.
@@ -156,7 +157,9 @@ class CausalAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return cpu_kernels.load().causal_attention_backward(grad.contiguous(), *ctx.saved_tensors)
+        q = ctx.saved_tensors[0]
+        return cpu_kernels.load().causal_attention_backward(grad.contiguous(), *ctx.saved_tensors,
+                                                            tiles=cpu_kernels.serves_prompt_attention(q))
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@
 // running rescale. Each product is one register-blocked loop (`product`: 4 rows × 64 columns of fp32 sums, a row of
 // the right operand a vector load, the left operand's element a broadcast, either operand transposed by its strides).
 // The output is written [batch, tokens, heads, head_dim], so o_proj's input is a view of it, as torch's CPU flash
-// attention lays its output out. bf16 inputs are widened, every sum is fp32, results rounded once.
+// attention lays its output out. bf16 inputs are widened, every sum is fp32, results rounded once. The backward's
+// `tiles` form (bf16 where the CPU has AMX: csrc/causal_attention_tiles.cpp) runs the same formulas on tiles.
 //
 // Why: torch's CPU flash attention computes each block as oneDNN/MKL small-matrix calls; a 4-layer TP rank's causal
 // attention of 4 × 256 tokens (4 query heads of 64, 2 KV heads) took 4.0 ms forward and 8.4 ms backward a layer on one
@@ -22,6 +23,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "kernels.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -275,13 +277,17 @@ std::tuple<at::Tensor, at::Tensor> causal_attention_forward(const at::Tensor& q,
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse) {
+    const at::Tensor& lse, bool tiles) {
   auto dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
        dv = at::empty(v.sizes(), v.options());
   check_heads(grad, "grad", q, q.size(2));
   check_heads(out, "out", q, q.size(2));
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 3 && lse.size(0) == q.size(0) &&
               lse.size(1) == q.size(2) && lse.size(2) == q.size(1), "lse: contiguous fp32 [batch, heads, tokens]");
+  if (tiles) {
+    causal_attention_backward_tiles(grad, q, k, v, out, lse, dq, dk, dv);
+    return {dq, dk, dv};
+  }
   over_units(q, k, v, [&](const auto& p, int64_t b, int64_t g) {
     using T = std::remove_pointer_t<decltype(p.q.data)>;
     backward_unit(p, Heads<T>(grad), Heads<T>(out), lse.data_ptr<float>(), Heads<T>(dq), Heads<T>(dk), Heads<T>(dv),
@@ -295,6 +301,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
 TORCH_LIBRARY_FRAGMENT(mlsyslab, m) {
   m.def("causal_attention_forward(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)",
         &mlsyslab::causal_attention_forward);
-  m.def("causal_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse) -> "
-        "(Tensor, Tensor, Tensor)", &mlsyslab::causal_attention_backward);
+  // tiles: in bf16 on AMX tiles (csrc/causal_attention_tiles.cpp), else the fp32 FMA loops here
+  m.def("causal_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "bool tiles=False) -> (Tensor, Tensor, Tensor)", &mlsyslab::causal_attention_backward);
 }

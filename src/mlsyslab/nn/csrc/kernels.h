@@ -104,6 +104,12 @@ inline int64_t amx_buffer_rows(int64_t rows) { return rows > kAmxRows ? (rows + 
 bool amx_ready();
 void amx_panel_products(const StreamedProduct<c10::BFloat16>& product, int64_t begin, int64_t end);
 
+// causal_attention_tiles.cpp: the training attention's bf16 backward on AMX tiles (tensors checked by the caller,
+// causal_attention.cpp; dq, dk, dv contiguous).
+void causal_attention_backward_tiles(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, at::Tensor& dq,
+                                     at::Tensor& dk, at::Tensor& dv);
+
 // softmax_draw.cpp: the token the uniform picks from softmax(logits / temperature) of one row, by inverse CDF.
 template <typename T> int64_t draw_row(const T* logits, int64_t vocab, float temperature, double uniform);
 
