@@ -7,13 +7,14 @@
 // For one (sequence, KV head) — a thread's unit, as in causal_attention.cpp — K and V are laid out once as B operands
 // for the group's query heads: K and V as [key block][dim pair][16 keys] words (Kᵀ and Vᵀ for S = Q·Kᵀ and dP = dO·Vᵀ,
 // as prompt_attention.cpp lays out K) and K again as [key pair][dim] words (for dQ = dS·K). Then for each query head
-// and block of 32 queries (two tile rows; the depth of one step of the Pᵀ·dO and dSᵀ·Q products):
+// and block of 32 queries (two tile rows; the depth of one step of the dOᵀ·P and Qᵀ·dS products):
 //   S = Q·Kᵀ and dP = dO·Vᵀ on tiles, over the key blocks up to the block's last query (causal);
 //   P = exp(S/√d − lse), dS = P ∘ (dP − D) with D = rowsum(dO ∘ O), in fp32; 0 past each query;
 //   P and dS rounded to bf16 for the products that take them (as torch's CPU flash attention rounds P before its
-//   matmuls), each also transposed for dV and dK;
-//   dQ = dS·K/√d (rounded once into dq), dV += Pᵀ·dO and dK += dSᵀ·Q in fp32 tiles over the unit's keys, rounded once
-//   at the unit's end (dK times 1/√d).
+//   matmuls): dS as rows, and both with their rows paired into words (B operands over the queries);
+//   dQ = dS·K/√d (rounded once into dq); dVᵀ += dOᵀ·P and dKᵀ += Qᵀ·dS in fp32 tiles over the unit's keys — the
+//   transposed sums, so that only the block's 32 queries and gradients are transposed, not P and dS over every key —
+//   transposed and rounded once at the unit's end (dK times 1/√d).
 // Padding: a block's rows past the sequence are zero queries and zero gradients (their P and dS set to 0), keys past
 // the sequence zero rows of K and V up to a multiple of 32 (the depth of a dS·K step).
 //
