@@ -189,7 +189,7 @@ def one_thread():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(2, 37, 4, 2, 16), (1, 130, 6, 2, 80), (2, 64, 2, 2, 64), (1, 1, 4, 1, 32),
-                                   (2, 100, 4, 2, 64), (1, 45, 2, 1, 128)])
+                                   (2, 100, 4, 2, 64), (1, 45, 2, 1, 128), (1, 1100, 2, 1, 32)])
 def test_causal_attention(dtype, shape, one_thread):
     """Forward and gradients against fp64 within 4x torch's SDPA's own error (a block boundary, tails of a block and
     of a vector, grouped and plain heads, one token), the same bits with gradients and without."""
