@@ -49,7 +49,7 @@ def applies(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors) and plain(*tensors)
 
 
-on_kernels = cpu_kernels.serves  # whether the C++ backward takes a tensor: fp32 or bf16 on a CPU, the kernels built
+on_kernels = cpu_kernels.serves  # whether the C++ kernels take a tensor: fp32 or bf16 on a CPU, the kernels built
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -156,9 +156,9 @@ class CausalAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        q = ctx.saved_tensors[0]
-        return cpu_kernels.load().causal_attention_backward(grad.contiguous(), *ctx.saved_tensors,
-                                                            tiles=cpu_kernels.serves_prompt_attention(q))
+        saved = ctx.saved_tensors  # q, k, v, out, lse
+        return cpu_kernels.load().causal_attention_backward(grad.contiguous(), *saved,
+                                                            tiles=cpu_kernels.serves_prompt_attention(saved[0]))
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

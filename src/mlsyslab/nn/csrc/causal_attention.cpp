@@ -90,17 +90,6 @@ void product(const float* a, int64_t a_row, int64_t a_col, const float* b, int64
   }
 }
 
-// A [batch, tokens, heads, head_dim] tensor's rows, any strides but the last dimension's.
-template <typename T>
-struct Heads {
-  T* data;
-  int64_t batch_stride, token_stride, head_stride;
-  Heads(const at::Tensor& t)
-      : data(static_cast<T*>(t.data_ptr())), batch_stride(t.stride(0)), token_stride(t.stride(1)),
-        head_stride(t.stride(2)) {}
-  T* row(int64_t b, int64_t t, int64_t h) const { return data + b * batch_stride + t * token_stride + h * head_stride; }
-};
-
 // to = from · scale over a row of `dim` values: widened to fp32 (From a T) or rounded once into a T (To a T).
 template <typename From, typename To>
 void scaled_row(const From* from, To* to, int64_t dim, float scale = 1.f) {

@@ -46,18 +46,7 @@ constexpr int64_t kStep = 32;       // bf16 inputs of one product step (an A til
 constexpr int64_t kRowBytes = 64;   // bytes of a tile row
 constexpr int64_t kQueries = 32;    // queries of a block
 
-// Palette 1, every tile 16 rows of 64 bytes: 0 the A operand, 1 and 2 B operands by turns, 4-7 C sums.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int tile = 0; tile < 8; ++tile) {
-      bytes_per_row[tile] = kRowBytes;
-      rows[tile] = kTile;
-    }
-  }
-};
+// The tiles (`SquareTiles(8)`): 0 the A operand, 1 and 2 B operands by turns, 4-7 C sums.
 
 // Up to four 16 × 16 fp32 tiles side by side, C_i at c + 16·i floats (rows c_bytes apart), =, or += with
 // `accumulate`, Σ over `steps` of A(step)·B_i(step): A's 16 rows of 32 bf16 at a + step·64 bytes (rows a_bytes
@@ -104,19 +93,7 @@ void row_products(const char* a, int64_t a_bytes, const char* b, int64_t b_colum
   if (count > 3) _tile_stored(7, c3, c_bytes);
 }
 
-uint32_t word(const Bf16* pair) { uint32_t w; std::memcpy(&w, pair, sizeof w); return w; }
-
-// A [batch, tokens, heads, head_dim] tensor's rows.
-struct Rows {
-  const Bf16* data;
-  int64_t batch_stride, token_stride, head_stride;
-  explicit Rows(const at::Tensor& t)
-      : data(static_cast<const Bf16*>(t.data_ptr())), batch_stride(t.stride(0)), token_stride(t.stride(1)),
-        head_stride(t.stride(2)) {}
-  const Bf16* row(int64_t b, int64_t t, int64_t h) const {
-    return data + b * batch_stride + t * token_stride + h * head_stride;
-  }
-};
+using Rows = Heads<const Bf16>;
 
 struct Problem {
   Rows q, k, v, grad, out;
@@ -139,17 +116,6 @@ struct Buffers {
   std::vector<uint32_t> weight_pairs, dweight_pairs;  // P and dS rounded, rows paired: [16][columns] words
   std::vector<float> dqueries;             // [32][dim]
 };
-
-void lay_out_blocks(const Rows& x, int64_t b, int64_t g, int64_t tokens, int64_t padded, int64_t d,
-                    std::vector<uint32_t>& to) {
-  const int64_t pairs = d / 2;
-  to.assign(padded * pairs, 0);
-  for (int64_t key = 0; key < tokens; ++key) {
-    const Bf16* row = x.row(b, key, g);
-    uint32_t* block = to.data() + key / kTile * pairs * kTile + key % kTile;
-    for (int64_t pair = 0; pair < pairs; ++pair) block[pair * kTile] = word(row + 2 * pair);
-  }
-}
 
 // The C tiles of rows [16·row_tiles] × columns [16·column_tiles] of A·B, A's rows a_bytes apart, B's column tile n at
 // b + n·b_column bytes, four column tiles at a time.
@@ -186,13 +152,10 @@ void backward_unit(const Problem& p, int64_t b, int64_t g, Buffers& w) {
   // a key block's B operand: `pairs` rows of 16 words; one step's tile of it 16 of those rows
   const int64_t block_bytes = pairs * kTile * int64_t(sizeof(uint32_t)), block_step = kTile * kTile * int64_t(sizeof(uint32_t));
   const int64_t word_tile = kTile * int64_t(sizeof(uint32_t));  // a B tile's columns: 16 words
-  lay_out_blocks(p.k, b, g, p.tokens, padded, d, w.keys_t);
-  lay_out_blocks(p.v, b, g, p.tokens, padded, d, w.values_t);
-  w.key_pairs.assign(padded / 2 * d, 0);
-  for (int64_t t = 0; t < p.tokens; t += 2) {
-    const Bf16 *even = p.k.row(b, t, g), *odd = t + 1 < p.tokens ? p.k.row(b, t + 1, g) : nullptr;
-    for (int64_t c = 0; c < d; ++c) w.key_pairs[t / 2 * d + c] = uint32_t(even[c].x) | (odd ? uint32_t(odd[c].x) << 16 : 0u);
-  }
+  const auto key = [&](int64_t t) { return p.k.row(b, t, g); };
+  lay_out_column_blocks(key, p.tokens, padded, d, w.keys_t);
+  lay_out_column_blocks([&](int64_t t) { return p.v.row(b, t, g); }, p.tokens, padded, d, w.values_t);
+  lay_out_row_pairs(key, p.tokens, padded, d, w.key_pairs);
   w.dkeys_t.assign(d * padded, 0.f);
   w.dvalues_t.assign(d * padded, 0.f);
   w.queries.resize(kQueries * d);
@@ -289,7 +252,7 @@ void causal_attention_backward_tiles(const at::Tensor& grad, const at::Tensor& q
                   float(1.0 / std::sqrt(double(q.size(3))))};
   at::parallel_for(0, q.size(0) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
     thread_local Buffers buffers;
-    static const TileConfig config;
+    static const SquareTiles config(8);
     _tile_loadconfig(&config);
     for (int64_t u = begin; u < end; ++u) backward_unit(p, u / p.kv_heads, u % p.kv_heads, buffers);
     _tile_release();

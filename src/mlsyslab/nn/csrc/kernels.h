@@ -8,7 +8,9 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 
+#include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace mlsyslab {
 
@@ -103,6 +105,57 @@ constexpr int64_t kAmxRows = 16;
 inline int64_t amx_buffer_rows(int64_t rows) { return rows > kAmxRows ? (rows + kAmxRows - 1) / kAmxRows * kAmxRows : rows; }
 bool amx_ready();
 void amx_panel_products(const StreamedProduct<c10::BFloat16>& product, int64_t begin, int64_t end);
+
+// A [batch, tokens, heads, head_dim] tensor's rows, any strides but the last dimension's (causal_attention.cpp,
+// causal_attention_tiles.cpp).
+template <typename T>
+struct Heads {
+  T* data;
+  int64_t batch_stride, token_stride, head_stride;
+  explicit Heads(const at::Tensor& t)
+      : data(static_cast<T*>(t.data_ptr())), batch_stride(t.stride(0)), token_stride(t.stride(1)),
+        head_stride(t.stride(2)) {}
+  T* row(int64_t b, int64_t t, int64_t h) const { return data + b * batch_stride + t * token_stride + h * head_stride; }
+};
+
+// The attention kernels on AMX tiles (prompt_attention.cpp, causal_attention_tiles.cpp): palette 1 with tiles
+// 0 .. tiles − 1 each 16 rows of 64 bytes, and bf16 rows [length][d] (`row(i)` a pointer to row i) laid out as TDPBF16PS
+// B operands, zeros up to `padded` rows:
+// - over d, the rows as columns (Kᵀ for Q·Kᵀ): [row block][d / 2][16] words, (x[i][2p], x[i][2p + 1]) at
+//   [i / 16][p][i % 16];
+// - over the rows, d as columns (V for P·V): [padded / 2][d] words, (x[2j][c], x[2j + 1][c]) at [j][c].
+struct alignas(64) SquareTiles {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+  explicit SquareTiles(int tiles) {
+    for (int tile = 0; tile < tiles; ++tile) {
+      bytes_per_row[tile] = 64;
+      rows[tile] = 16;
+    }
+  }
+};
+
+template <typename Row>
+void lay_out_column_blocks(Row row, int64_t length, int64_t padded, int64_t d, std::vector<uint32_t>& to) {
+  const int64_t pairs = d / 2;
+  to.assign(padded * pairs, 0);
+  for (int64_t i = 0; i < length; ++i) {
+    const c10::BFloat16* x = row(i);
+    uint32_t* block = to.data() + i / 16 * pairs * 16 + i % 16;
+    for (int64_t pair = 0; pair < pairs; ++pair) std::memcpy(block + pair * 16, x + 2 * pair, sizeof(uint32_t));
+  }
+}
+
+template <typename Row>
+void lay_out_row_pairs(Row row, int64_t length, int64_t padded, int64_t d, std::vector<uint32_t>& to) {
+  to.assign(padded / 2 * d, 0);
+  for (int64_t i = 0; i < length; i += 2) {
+    const c10::BFloat16 *even = row(i), *odd = i + 1 < length ? row(i + 1) : nullptr;
+    uint32_t* pairs = to.data() + i / 2 * d;
+    for (int64_t c = 0; c < d; ++c) pairs[c] = uint32_t(even[c].x) | (odd ? uint32_t(odd[c].x) << 16 : 0u);
+  }
+}
 
 // causal_attention_tiles.cpp: the training attention's bf16 backward on AMX tiles (tensors checked by the caller,
 // causal_attention.cpp; dq, dk, dv contiguous).

@@ -49,20 +49,9 @@ constexpr int64_t kTileRow = 64;   // bytes of a tile row
 constexpr int64_t kPairs = 16;     // input pairs of a B tile (32 bf16 of an A tile's row)
 constexpr int64_t kKeyChunk = 32;  // keys of one P·V step (an A tile's row of P)
 
-// Palette 1, every tile 16 rows of 64 bytes: 0 the A operand, 1-3 B operands, 4-6 C accumulators (three products
-// side by side, independent of each other; the first version, one accumulator and the queries' tiles read in place,
-// measured the same ratio to torch's time, 1.34x, in another minute of this host).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int tile = 0; tile < 7; ++tile) {
-      bytes_per_row[tile] = kTileRow;
-      rows[tile] = kBlock;
-    }
-  }
-};
+// The tiles (`SquareTiles(7)`): 0 the A operand, 1-3 B operands, 4-6 C accumulators (three products side by side,
+// independent of each other; the first version, one accumulator and the queries' tiles read in place, measured the
+// same ratio to torch's time, 1.34x, in another minute of this host).
 
 // A thread's buffers, reused across its items.
 struct Buffers {
@@ -86,20 +75,11 @@ struct Problem {
 
 // K and V of one (prompt, KV head) as B operands, keys past `length` up to `padded` zero.
 void lay_out(const Problem& p, int64_t first, int64_t length, int64_t padded, int64_t kv_head, Buffers& b) {
-  const int64_t d = p.head_dim, pairs = d / 2;
-  b.keys.assign(padded * pairs, 0);
-  b.values.assign(padded / 2 * d, 0);
-  for (int64_t key = 0; key < length; ++key) {  // a row of K is its dim pairs as 32-bit words
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(p.k + (first + key) * p.k_stride + kv_head * d);
-    uint32_t* block = b.keys.data() + key / kBlock * pairs * kBlock + key % kBlock;
-    for (int64_t pair = 0; pair < pairs; ++pair) block[pair * kBlock] = words[pair];
-  }
-  for (int64_t key = 0; key < length; key += 2) {  // two rows of V interleaved value by value
-    const uint16_t* even = reinterpret_cast<const uint16_t*>(p.v + (first + key) * p.v_stride + kv_head * d);
-    const uint16_t* odd = key + 1 < length ? reinterpret_cast<const uint16_t*>(even + p.v_stride) : nullptr;
-    uint32_t* row = b.values.data() + key / 2 * d;
-    for (int64_t c = 0; c < d; ++c) row[c] = uint32_t(even[c]) | (odd ? uint32_t(odd[c]) << 16 : 0u);
-  }
+  const int64_t d = p.head_dim;
+  lay_out_column_blocks([&](int64_t key) { return p.k + (first + key) * p.k_stride + kv_head * d; }, length, padded, d,
+                        b.keys);
+  lay_out_row_pairs([&](int64_t key) { return p.v + (first + key) * p.v_stride + kv_head * d; }, length, padded, d,
+                    b.values);
 }
 
 // Rows r of the scores: exp(s·scale − max) over keys [0, first_query + r], rounded into P, 0 beyond (to `columns`:
@@ -240,7 +220,7 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   at::parallel_for(0, prompts * heads, 1, [&](int64_t begin, int64_t end) {
     thread_local Buffers buffers;
     buffers.laid_out_first = -1;  // the tensors are the call's: nothing laid out yet
-    static const TileConfig config;
+    static const SquareTiles config(7);
     _tile_loadconfig(&config);
     for (int64_t item = begin; item < end; ++item)
       attend_head(p, first[item / heads], length[item / heads], item % heads, buffers);
